@@ -1,0 +1,190 @@
+"""Collectives for data-parallel gradients, called inside `shard_map` over named mesh axes.
+
+The mesh has a slow `node` axis (the network between machines) and a fast `local` axis (links
+inside a machine). Every function takes axis names, never devices, and returns the SUM over all
+workers, identical on every worker. The sparse ones also return the error-feedback residual: what
+this worker did not send.
+
+  dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
+  hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
+  topk_allgather           select k, all-gather (values, indices) over all axes, scatter-add
+  hitopk_allreduce         HiTopKComm: reduce-scatter local, select k of the shard, all-gather the
+                           pairs over node (the only inter-node traffic), all-gather local
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sparsejax import topk as topk_lib
+
+__all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
+           "wire_bytes", "axis_size", "ALGORITHMS"]
+
+ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
+
+
+def axis_size(name: str | Sequence[str]) -> int:
+  """Size of a bound mesh axis (or the product over several); a clear error outside shard_map."""
+  names = (name,) if isinstance(name, str) else tuple(name)
+  size = 1
+  for a in names:
+    try:
+      size *= lax.axis_size(a)
+    except NameError as e:
+      raise ValueError(f"mesh axis {a!r} is not bound: call this inside jax.shard_map over a mesh "
+                       f"that has an axis named {a!r}") from e
+  return size
+
+
+def _check_1d(x: jax.Array, what: str) -> int:
+  if jnp.ndim(x) != 1:
+    raise ValueError(f"{what} expects a 1-D buffer, got shape {jnp.shape(x)}; ravel the gradient "
+                     "with sparsejax.flat.FlatLayout first")
+  return x.shape[0]
+
+
+def _check_divisible(n: int, m: int, local_axis: str) -> None:
+  if n % m:
+    raise ValueError(f"buffer length {n} is not a multiple of the {local_axis!r} axis size {m}; "
+                     f"pad it (FlatLayout.from_tree(tree, pad_to={m}))")
+
+
+def dense_allreduce(x: jax.Array, *, axes: str | Sequence[str]) -> jax.Array:
+  """Sum of `x` over `axes` (one all-reduce)."""
+  axis_size(axes)
+  return lax.psum(x, axes if isinstance(axes, str) else tuple(axes))
+
+
+def hierarchical_allreduce(x: jax.Array, *, node_axis: str, local_axis: str) -> jax.Array:
+  """Sum of 1-D `x` over both axes: reduce-scatter over `local_axis`, all-reduce of the shard
+  over `node_axis`, all-gather over `local_axis`. len(x) must be a multiple of the local size."""
+  n = _check_1d(x, "hierarchical_allreduce")
+  m = axis_size(local_axis)
+  axis_size(node_axis)
+  _check_divisible(n, m, local_axis)
+  shard = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+  shard = lax.psum(shard, node_axis)
+  return lax.all_gather(shard, local_axis, axis=0, tiled=True)
+
+
+def _select_and_residual(acc: jax.Array, k: int, select):
+  values, indices = topk_lib.get_selector(select)(acc, k)
+  new_residual = acc.at[indices].set(0, unique_indices=True)
+  return values, indices, new_residual
+
+
+def _gather_sum(values, indices, n: int, axes) -> jax.Array:
+  """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
+  all_v = lax.all_gather(values, axes, axis=0, tiled=True)
+  all_i = lax.all_gather(indices, axes, axis=0, tiled=True)
+  return jnp.zeros(n, values.dtype).at[all_i].add(all_v)
+
+
+def _accumulate(x: jax.Array, residual: jax.Array | None, n: int) -> jax.Array:
+  if residual is None:
+    return x
+  if residual.shape != (n,):
+    raise ValueError(f"residual must have shape ({n},) like the buffer it corrects, "
+                     f"got {residual.shape}")
+  return x.astype(residual.dtype) + residual
+
+
+def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
+                   residual: jax.Array | None = None,
+                   select=topk_lib.mstopk) -> tuple[jax.Array, jax.Array]:
+  """TopK all-gather: each worker sends its k largest |x + residual| to every other worker.
+
+  Args:
+    x: this worker's 1-D buffer, length n.
+    k: pairs each worker sends, 1 <= k <= n.
+    axes: mesh axis name(s) the workers span.
+    residual: error feedback from the last step, shape (n,) (its dtype is the accumulation dtype).
+    select: a selector `(x, k) -> (values, indices)` or its name ("mstopk", "exact", "sampled").
+
+  Returns:
+    `(total, new_residual)`: `total` (n,) is the sum over workers of what each sent, identical on
+    every worker; `new_residual = (x + residual) - sent`.
+  """
+  n = _check_1d(x, "topk_allgather")
+  topk_lib.check_k(x, k)
+  axes = axes if isinstance(axes, str) else tuple(axes)
+  axis_size(axes)
+  acc = _accumulate(x, residual, n)
+  values, indices, new_residual = _select_and_residual(acc, k, select)
+  return _gather_sum(values, indices, n, axes), new_residual
+
+
+def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
+                     residual: jax.Array | None = None,
+                     select=topk_lib.mstopk) -> tuple[jax.Array, jax.Array]:
+  """HiTopKComm (Shi et al., 2021): dense inside a node, sparse between nodes.
+
+  Worker i of a node reduce-scatters `x` over `local_axis` and gets shard i of its node's sum
+  (length n/M), adds its residual, selects k pairs, all-gathers them over `node_axis` (the only
+  inter-node traffic: k pairs instead of n/M values), scatter-adds them into the shard, and
+  all-gathers the shards over `local_axis`.
+
+  Args:
+    x: this worker's 1-D buffer, length n, a multiple of the local axis size M.
+    k: pairs sent per shard, 1 <= k <= n/M.
+    node_axis, local_axis: mesh axis names.
+    residual: error feedback for this worker's shard, shape (n/M,).
+    select: selector or its name.
+
+  Returns:
+    `(total, new_residual)`: `total` (n,) the sum over all workers of what was sent, identical on
+    every worker; `new_residual` (n/M,) what this worker's shard kept back.
+  """
+  n = _check_1d(x, "hitopk_allreduce")
+  m = axis_size(local_axis)
+  axis_size(node_axis)
+  _check_divisible(n, m, local_axis)
+  shard = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+  topk_lib.check_k(shard, k)
+  acc = _accumulate(shard, residual, n // m)
+  values, indices, new_residual = _select_and_residual(acc, k, select)
+  shard_total = _gather_sum(values, indices, n // m, node_axis)
+  return lax.all_gather(shard_total, local_axis, axis=0, tiled=True), new_residual
+
+
+def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
+               value_bytes: int = 4, index_bytes: int = 4) -> dict[str, float]:
+  """Bytes each worker sends per step over inter-node and intra-node links.
+
+  Ring formulas per collective over a group of G workers and a buffer of B bytes: all-reduce
+  2(G-1)/G * B, reduce-scatter (G-1)/G * B, all-gather (G-1) * B_piece. A collective whose group
+  spans nodes counts as inter-node (XLA's rings are not node-aware), one inside a node as
+  intra-node. `k` is per worker for "allgather" and per shard for "hitopk".
+
+  Returns:
+    `{"inter": bytes, "intra": bytes}`.
+  """
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(ALGORITHMS)}")
+  if nodes < 1 or local < 1:
+    raise ValueError(f"nodes and local must be >= 1, got nodes={nodes}, local={local}")
+  out = {"inter": 0.0, "intra": 0.0}
+
+  def add(group: int, spans_nodes: bool, nbytes: float) -> None:
+    if group > 1:
+      out["inter" if spans_nodes else "intra"] += nbytes
+
+  p, pair = nodes * local, value_bytes + index_bytes
+  if algorithm == "dense":
+    add(p, nodes > 1, 2 * (p - 1) / p * n * value_bytes)
+  elif algorithm == "hierarchical":
+    add(local, False, (local - 1) / local * n * value_bytes)
+    add(nodes, True, 2 * (nodes - 1) / nodes * n / local * value_bytes)
+    add(local, False, (local - 1) / local * n * value_bytes)
+  elif algorithm == "allgather":
+    add(p, nodes > 1, (p - 1) * k * pair)
+  else:  # hitopk
+    add(local, False, (local - 1) / local * n * value_bytes)
+    add(nodes, True, (nodes - 1) * k * pair)
+    add(local, False, (local - 1) / local * n * value_bytes)
+  return out

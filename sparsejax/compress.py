@@ -1,0 +1,167 @@
+"""Gradient compression as an optax `GradientTransformation`: top-k all-reduce with error feedback.
+
+`topk_allreduce(...)` is called inside `shard_map` over the mesh axes `(node, local)`, like optax's
+transforms that take an axis name. `update` ravels the gradient pytree once into a flat float32
+buffer, adds the residual, runs the chosen collective and returns the MEAN over all workers with the
+gradient's own structure and dtypes. Its state is per worker (the residual differs on every worker),
+so `init` also runs inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from sparsejax import comm
+from sparsejax import topk as topk_lib
+from sparsejax.flat import FlatLayout
+
+__all__ = ["TopKAllReduceState", "topk_allreduce", "density_levels"]
+
+
+class TopKAllReduceState(NamedTuple):
+  """Per-worker state of `topk_allreduce`.
+
+  residual: float32[r], what this worker has not sent yet (r = padded n for "allgather", padded
+    n / local for "hitopk", 0 for the dense algorithms or without error feedback).
+  count: int32 number of updates so far (drives `density_schedule`).
+  density: float32 density used at the last update.
+  bytes_sent: float32 inter- plus intra-node bytes this worker sent at the last update.
+  skipped: bool, True if the last update saw a non-finite gradient and was skipped.
+  skipped_steps: int32 number of skipped updates so far.
+  """
+
+  residual: jax.Array
+  count: jax.Array
+  density: jax.Array
+  bytes_sent: jax.Array
+  skipped: jax.Array
+  skipped_steps: jax.Array
+
+
+def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
+  """The static densities a schedule is rounded up to: density * ratio**j below 1, then 1."""
+  levels, d = [], density
+  while d < 1.0:
+    levels.append(d)
+    d *= ratio
+  return tuple(levels) + (1.0,)
+
+
+def _check_density(name: str, value: float) -> None:
+  if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+    raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+
+
+def topk_allreduce(density: float, *, algorithm: str = "hitopk",
+                   selector: str | Callable = "mstopk", node_axis: str = "node",
+                   local_axis: str = "local", error_feedback: bool = True,
+                   density_schedule: Callable[[jax.Array], jax.Array] | None = None
+                   ) -> optax.GradientTransformation:
+  """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
+
+  Args:
+    density: fraction of each buffer sent per step, in (0, 1]; `k = max(1, round(density * L))`
+      where L is the shard length (padded n / local for "hitopk", padded n for "allgather").
+    algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather), "hierarchical" or "dense"
+      (uncompressed baselines; density is then ignored).
+    selector: "mstopk", "exact", "sampled", or a callable `(x, k) -> (values, indices)`.
+    node_axis, local_axis: names of the mesh axes (slow inter-node, fast intra-node).
+    error_feedback: keep what was not sent and add it next step.
+    density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
+      decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
+      shapes stay static; each level compiles once and one runs per step.
+
+  Returns:
+    An `optax.GradientTransformation`; `init` and `update` must run inside `shard_map`.
+
+  Example:
+    >>> tx = optax.chain(topk_allreduce(0.001), optax.sgd(0.1, momentum=0.9))
+    >>> # inside shard_map(..., mesh=Mesh(devices.reshape(2, 4), ("node", "local"))):
+    >>> #   updates, state = tx.update(grads, state, params)
+  """
+  _check_density("density", density)
+  if algorithm not in comm.ALGORITHMS:
+    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
+  select = topk_lib.get_selector(selector)
+  sparse = algorithm in ("hitopk", "allgather")
+  levels = density_levels(density) if density_schedule is not None else (float(density),)
+  axes = (node_axis, local_axis)
+
+  def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
+    nodes, local = comm.axis_size(node_axis), comm.axis_size(local_axis)
+    layout = FlatLayout.from_tree(tree, pad_to=local)
+    shard = layout.padded_size // local if algorithm == "hitopk" else layout.padded_size
+    return layout, nodes, local, shard
+
+  def init_fn(params: Any) -> TopKAllReduceState:
+    _, _, _, shard = shapes(params)
+    r = shard if (sparse and error_feedback) else 0
+    return TopKAllReduceState(jnp.zeros(r, jnp.float32), jnp.zeros([], jnp.int32),
+                              jnp.float32(levels[0]), jnp.zeros([], jnp.float32),
+                              jnp.zeros([], bool), jnp.zeros([], jnp.int32))
+
+  def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None):
+    del params
+    layout, nodes, local, shard = shapes(updates)
+    if error_feedback and sparse and state.residual.shape != (shard,):
+      raise ValueError(f"state residual has shape {state.residual.shape}, expected ({shard},): "
+                       "was init run inside the same shard_map mesh?")
+    flat = layout.ravel(updates, jnp.float32)
+    finite = lax.pmin(jnp.all(jnp.isfinite(flat)).astype(jnp.int32), axes).astype(bool)
+    flat = jnp.where(finite, flat, 0.0)
+    residual = state.residual if (sparse and error_feedback) else None
+    n = layout.padded_size
+
+    def run(level: float):
+      def branch(flat, residual):
+        if not sparse:
+          if algorithm == "dense":
+            total = comm.dense_allreduce(flat, axes=axes)
+          else:
+            total = comm.hierarchical_allreduce(flat, node_axis=node_axis, local_axis=local_axis)
+          sent = comm.wire_bytes(algorithm, n=n, nodes=nodes, local=local)
+          return total, residual, jnp.float32(sent["inter"] + sent["intra"])
+        k = max(1, round(level * shard))
+        if algorithm == "hitopk":
+          total, new_res = comm.hitopk_allreduce(flat, k, node_axis=node_axis,
+                                                 local_axis=local_axis, residual=residual,
+                                                 select=select)
+        else:
+          total, new_res = comm.topk_allgather(flat, k, axes=axes, residual=residual,
+                                               select=select)
+        sent = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local)
+        return total, (new_res if residual is not None else None), \
+            jnp.float32(sent["inter"] + sent["intra"])
+      return branch
+
+    if len(levels) == 1:
+      level_index = jnp.int32(0)
+      total, new_res, sent = run(levels[0])(flat, residual)
+    else:
+      wanted = jnp.asarray(density_schedule(state.count), jnp.float32)
+      level_index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(
+          jnp.int32)
+      level_index = jnp.minimum(level_index, len(levels) - 1)
+      total, new_res, sent = lax.switch(level_index, [run(lv) for lv in levels], flat, residual)
+
+    mean = jnp.where(finite, total / (nodes * local), 0.0)
+    if residual is not None:
+      new_res = jnp.where(finite, new_res, state.residual)
+    else:
+      new_res = state.residual
+    out = layout.unravel(mean)
+    out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
+    skipped = ~finite
+    new_state = TopKAllReduceState(
+        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[level_index], sent, skipped,
+        state.skipped_steps + skipped.astype(jnp.int32))
+    return out, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+

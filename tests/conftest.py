@@ -1,0 +1,48 @@
+"""Every test sees 8 CPU devices (set before jax is imported anywhere)."""
+
+import os
+import zlib
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.devices()}"
+
+
+def make_mesh(nodes: int, local: int) -> Mesh:
+  """A ("node", "local") mesh over the first nodes*local CPU devices."""
+  return Mesh(np.asarray(jax.devices()[: nodes * local]).reshape(nodes, local), ("node", "local"))
+
+
+def run_workers(mesh: Mesh, fn, *stacked):
+  """Runs `fn` once per worker inside shard_map over both mesh axes.
+
+  Each argument is a pytree of arrays with a leading worker axis of size nodes*local (node-major);
+  worker w sees `arg[w]`. Every output gets the same leading worker axis back, as numpy.
+  """
+  spec = P(("node", "local"))
+  placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), stacked)
+
+  def body(*args):
+    args = jax.tree.map(lambda a: a[0], args)
+    return jax.tree.map(lambda o: jnp.asarray(o)[None], fn(*args))
+
+  out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(*placed)
+  return jax.tree.map(np.asarray, out)
+
+
+@pytest.fixture
+def rng(request):
+  """A fresh generator per test, seeded from the test's name (reproducible, not shared)."""
+  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,119 @@
+"""topk_allreduce as an optax transform inside shard_map, against numpy references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh, run_workers
+
+from sparsejax.compress import TopKAllReduceState, density_levels, topk_allreduce
+
+MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+
+
+def grads_like(rng, p, dtype=np.float32):
+  """A stacked (worker-major) gradient tree with odd shapes and mixed dtypes."""
+  return {"w": rng.standard_normal((p, 7, 13)).astype(dtype),
+          "b": rng.standard_normal((p, 13)).astype(np.float32),
+          "s": rng.standard_normal((p,)).astype(np.float32),
+          "e": rng.standard_normal((p, 3, 1, 5)).astype(dtype)}
+
+
+def run_steps(mesh, tx, grads_seq):
+  """Applies tx.update to each stacked gradient tree in turn; returns outputs and last state."""
+  def body(*gs):
+    state = tx.init(gs[0])
+    outs = []
+    for g in gs:
+      out, state = tx.update(g, state)
+      outs.append(out)
+    return outs, state
+  return run_workers(mesh, body, *grads_seq)
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "hierarchical", "dense"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_density_one_is_dense_mean(rng, nodes, local, algorithm, dtype):
+  g = grads_like(rng, nodes * local, dtype)
+  (outs,), state = run_steps(make_mesh(nodes, local), topk_allreduce(1.0, algorithm=algorithm),
+                             [g])
+  tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+  for name, leaf in g.items():
+    assert outs[name].dtype == leaf.dtype
+    want = np.asarray(leaf, np.float32).mean(0)
+    for w in range(nodes * local):
+      np.testing.assert_allclose(np.asarray(outs[name][w], np.float32), want, rtol=tol, atol=tol)
+  assert not state.skipped.any() and (state.count == 1).all()
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather"])
+def test_error_feedback_loses_nothing(rng, nodes, local, algorithm):
+  """Sum of all outputs (times workers) plus all final residuals equals the sum of all inputs."""
+  p, steps = nodes * local, 12
+  seq = [grads_like(rng, p) for _ in range(steps)]
+  tx = topk_allreduce(0.02, algorithm=algorithm)
+  outs, state = run_steps(make_mesh(nodes, local), tx, seq)
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float32).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  n = leaves(seq[0]).shape[1]
+  sent = sum(leaves(o)[0] for o in outs) * p
+  residual = state.residual  # (p, r): per worker
+  if algorithm == "hitopk":
+    kept = residual.reshape(nodes, -1).sum(0)[:n]  # each node's workers hold its shards in order
+  else:
+    kept = residual.sum(0)[:n]
+  np.testing.assert_allclose(sent + kept, sum(leaves(g).sum(0) for g in seq), rtol=1e-4, atol=1e-4)
+  # And each step really was sparse: far fewer non-zeros than the dense mean would have.
+  assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
+
+
+def test_non_finite_gradient_skips_step(rng):
+  nodes, local = 2, 4
+  g1, g2 = grads_like(rng, 8), grads_like(rng, 8)
+  g2["w"][5, 1, 2] = np.nan  # one worker, one value
+  outs, state = run_steps(make_mesh(nodes, local), topk_allreduce(0.05), [g1, g2])
+  for leaf in jax.tree.leaves(outs[1]):
+    assert np.all(leaf == 0)
+  # The residual after the skipped step equals the residual after step one.
+  _, state1 = run_steps(make_mesh(nodes, local), topk_allreduce(0.05), [g1])
+  np.testing.assert_array_equal(state.residual, state1.residual)
+  assert state.skipped.all() and (state.skipped_steps == 1).all() and (state.count == 2).all()
+
+
+def test_density_schedule_switches_levels(rng):
+  levels = density_levels(0.01)
+  assert levels[0] == 0.01 and levels[-1] == 1.0
+  sched = optax.piecewise_constant_schedule(1.0, {1: 0.01})  # dense first, then 1%
+  tx = topk_allreduce(0.01, algorithm="allgather", density_schedule=sched)
+  g = [grads_like(rng, 8) for _ in range(2)]
+  outs, state = run_steps(make_mesh(2, 4), tx, g)
+  for name, leaf in g[0].items():  # step 0 ran at density 1: the exact mean
+    np.testing.assert_allclose(outs[0][name][0], leaf.mean(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(state.density, 0.01)
+  n = sum(np.size(x[0]) for x in g[0].values())
+  nz = sum(np.count_nonzero(x[0]) for x in outs[1].values())
+  assert 0 < nz <= 8 * max(1, round(0.01 * n))
+
+
+def test_state_is_a_named_tuple_and_jits(rng):
+  tx = topk_allreduce(0.1)
+  (out,), state = run_steps(make_mesh(2, 4), tx, [grads_like(rng, 8)])
+  assert isinstance(state, TopKAllReduceState)
+  assert state.residual.dtype == np.float32
+  assert (state.bytes_sent > 0).all()
+
+
+def test_bad_input():
+  for d in (0, 1.5, -0.1, True, "0.1"):
+    with pytest.raises(ValueError, match="density must be a number in \\(0, 1\\]"):
+      topk_allreduce(d)
+  with pytest.raises(ValueError, match="unknown algorithm 'ring'"):
+    topk_allreduce(0.1, algorithm="ring")
+  with pytest.raises(ValueError, match="unknown selector 'fast'"):
+    topk_allreduce(0.1, selector="fast")
+  tx = topk_allreduce(0.1)
+  with pytest.raises(ValueError, match="'node' is not bound"):
+    tx.init({"w": jnp.ones(4)})

@@ -1,0 +1,63 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsejax.flat import FlatLayout
+
+
+def _tree(rng):
+  return {
+      "conv": {"kernel": rng.standard_normal((3, 3, 5, 7)).astype(np.float32),
+               "bias": rng.standard_normal(7).astype(np.float32)},
+      "scale": np.float32(rng.standard_normal()),
+      "emb": rng.standard_normal((13, 11)).astype(jnp.bfloat16),
+      "odd": [rng.standard_normal(1).astype(np.float16),
+              rng.standard_normal((2, 1, 3)).astype(np.float32)],
+  }
+
+
+@pytest.mark.parametrize("pad_to", [1, 4, 7, 64])
+def test_roundtrip_against_numpy(rng, pad_to):
+  tree = _tree(rng)
+  layout = FlatLayout.from_tree(tree, pad_to=pad_to)
+  leaves = jax.tree.leaves(tree)
+  n = sum(np.size(x) for x in leaves)
+  assert layout.size == n
+  assert layout.padded_size % pad_to == 0 and 0 <= layout.padded_size - n < pad_to
+  flat = jax.jit(lambda t: layout.ravel(t, jnp.float32))(tree)
+  ref = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
+  np.testing.assert_array_equal(np.asarray(flat)[:n], ref)
+  np.testing.assert_array_equal(np.asarray(flat)[n:], 0)
+  back = jax.jit(layout.unravel)(flat)
+  for a, b in zip(jax.tree.leaves(back), leaves):
+    assert a.dtype == np.asarray(b).dtype and a.shape == np.shape(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_segment_ids_offsets_and_masks(rng):
+  tree = _tree(rng)
+  layout = FlatLayout.from_tree(tree, pad_to=16)
+  ids = layout.segment_ids
+  assert ids.shape == (layout.padded_size,) and ids.dtype == np.int32
+  for i, (o, s) in enumerate(zip(layout.offsets, layout.sizes)):
+    assert np.all(ids[o:o + s] == i)
+  assert np.all(ids[layout.size:] == layout.num_leaves)
+  # A per-leaf mask (a tree, or a callable as optax takes) expands onto the buffer.
+  mask = layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) > 1, t))
+  want = np.concatenate([np.full(s, len(sh) > 1) for s, sh in zip(layout.sizes, layout.shapes)])
+  np.testing.assert_array_equal(mask[: layout.size], want)
+  assert not mask[layout.size:].any()
+  assert hash(layout) == hash(FlatLayout.from_tree(tree, pad_to=16))
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match="pad_to"):
+    FlatLayout.from_tree({"a": np.zeros(3)}, pad_to=0)
+  with pytest.raises(ValueError, match="at least one"):
+    FlatLayout.from_tree({})
+  layout = FlatLayout.from_tree({"a": np.zeros(3)}, pad_to=4)
+  with pytest.raises(ValueError, match="length 4"):
+    layout.unravel(jnp.zeros(3))
+  with pytest.raises(ValueError, match="shape"):
+    layout.ravel({"a": np.zeros(5)})
