@@ -18,3 +18,5 @@ def test_readme_shard_map_example_trains():
   assert losses.shape == (8,)
   np.testing.assert_allclose(losses, losses[0])  # identical on every worker
   assert losses[0] < 1.0  # the initial loss is exactly 1 (zero params, targets 1)
+  params = ns["params"]
+  assert np.all(np.isfinite(np.asarray(params["w"]))) and np.any(np.asarray(params["w"]) != 0)
