@@ -26,10 +26,13 @@ class FlatLayout:
     treedef: structure of the tree.
     shapes: shape of each leaf, in `jax.tree.leaves` order.
     dtypes: dtype of each leaf.
-    offsets: start of each leaf in the buffer.
+    offsets: start of each leaf in the buffer, a multiple of `align`.
     size: number of real values (sum of leaf sizes).
-    padded_size: buffer length, `size` rounded up to a multiple of `pad_to`; the tail is zeros.
-    pad_to: the multiple the buffer is padded to.
+    padded_size: buffer length, a multiple of both `pad_to` and `align`; gaps and tail are zeros.
+    pad_to: the multiple the buffer length is padded to.
+    align: every leaf starts at a multiple of `align`. With `align > 1` the buffer reshapes to
+      `(rows, align)` with every row inside one leaf, so per-leaf reductions are row reductions
+      plus a tiny segment sum over rows (what `sparsejax.optim` uses for per-layer norms).
   """
 
   treedef: Any
@@ -39,12 +42,20 @@ class FlatLayout:
   size: int
   padded_size: int
   pad_to: int
+  align: int = 1
 
   @classmethod
-  def from_tree(cls, tree: Any, pad_to: int = 1) -> FlatLayout:
-    """The layout of `tree` (arrays or `ShapeDtypeStruct`s), padded to a multiple of `pad_to`."""
-    if not isinstance(pad_to, int | np.integer) or isinstance(pad_to, bool) or pad_to < 1:
-      raise ValueError(f"pad_to must be an integer >= 1, got {pad_to!r}")
+  def from_tree(cls, tree: Any, pad_to: int = 1, align: int = 1) -> FlatLayout:
+    """The layout of `tree` (arrays or `ShapeDtypeStruct`s).
+
+    Args:
+      tree: the pytree.
+      pad_to: the buffer length is a multiple of this (e.g. the number of devices it is split over).
+      align: each leaf starts at a multiple of this (the row width of `rows`).
+    """
+    for name, value in (("pad_to", pad_to), ("align", align)):
+      if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
       raise ValueError("FlatLayout.from_tree needs a tree with at least one array leaf, got none")
@@ -56,10 +67,12 @@ class FlatLayout:
         raise TypeError(f"FlatLayout leaves must be numeric arrays, got a leaf of dtype {dtype}"
                         f" and shape {shape}")
     sizes = [math.prod(s) for s in shapes]
-    offsets = tuple(int(o) for o in np.cumsum([0] + sizes[:-1]))
-    size = int(sum(sizes))
-    padded = -(-size // pad_to) * pad_to
-    return cls(treedef, shapes, dtypes, offsets, size, max(padded, pad_to), int(pad_to))
+    spans = [-(-s // align) * align for s in sizes]
+    offsets = tuple(int(o) for o in np.cumsum([0] + spans[:-1]))
+    end = offsets[-1] + sizes[-1]
+    multiple = math.lcm(int(pad_to), int(align))
+    padded = max(-(-end // multiple) * multiple, multiple)
+    return cls(treedef, shapes, dtypes, offsets, int(sum(sizes)), padded, int(pad_to), int(align))
 
   @property
   def num_leaves(self) -> int:
@@ -70,25 +83,71 @@ class FlatLayout:
     return tuple(math.prod(s) for s in self.shapes)
 
   @property
+  def rows(self) -> int:
+    """Number of rows of width `align` in the buffer."""
+    return self.padded_size // self.align
+
+  def _per_element(self, per_leaf: np.ndarray, fill: Any) -> np.ndarray:
+    out = np.full(self.padded_size, fill, per_leaf.dtype)
+    for value, offset, size in zip(per_leaf, self.offsets, self.sizes):
+      out[offset:offset + size] = value
+    return out
+
+  @property
   def segment_ids(self) -> np.ndarray:
     """int32[padded_size]: leaf number of each element; padding gets id `num_leaves`."""
-    ids = np.repeat(np.arange(self.num_leaves, dtype=np.int32), self.sizes)
-    return np.concatenate([ids, np.full(self.padded_size - self.size, self.num_leaves, np.int32)])
+    return self._per_element(np.arange(self.num_leaves, dtype=np.int32), self.num_leaves)
+
+  @property
+  def row_segment_ids(self) -> np.ndarray:
+    """int32[rows]: leaf number of each row of width `align`; all-padding rows get `num_leaves`.
+
+    Only meaningful when every row lies inside one leaf, which `align` guarantees."""
+    ids = np.full(self.rows, self.num_leaves, np.int32)
+    for i, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+      ids[offset // self.align: -(-(offset + size) // self.align)] = i
+    return ids
 
   @property
   def valid_mask(self) -> np.ndarray:
     """bool[padded_size]: True for real values, False for padding."""
-    return np.arange(self.padded_size) < self.size
+    return self._per_element(np.ones(self.num_leaves, bool), False)
+
+  def shape_tree(self) -> Any:
+    """The layout's tree as `jax.ShapeDtypeStruct`s."""
+    return self.unflatten_leaves([jax.ShapeDtypeStruct(s, d)
+                                  for s, d in zip(self.shapes, self.dtypes)])
+
+  def leaf_flags(self, mask: Any, name: str = "mask") -> np.ndarray:
+    """bool[num_leaves] from an optax-style mask.
+
+    Args:
+      mask: a bool, a tree of bools with the layout's structure or a prefix of it, or a callable
+        taking the tree of shapes (`shape_tree()`) and returning one.
+      name: the argument's name, for the error message.
+    """
+    if callable(mask):
+      mask = mask(self.shape_tree())
+    try:
+      full = jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask,
+                          self.shape_tree())
+      flags = self.treedef.flatten_up_to(full)
+    except (ValueError, TypeError) as e:
+      def short(x: Any) -> str:
+        text = str(x)
+        return text if len(text) <= 300 else text[:300] + "..."
+      raise ValueError(f"{name} does not match the parameters: it must be a bool, a tree of bools "
+                       f"with the parameters' structure (or a prefix of it), or a callable "
+                       f"returning one; parameters have structure {short(self.treedef)}, {name} "
+                       f"is {short(jax.tree.structure(mask))}") from e
+    for flag in flags:
+      if not isinstance(flag, bool | np.bool_):
+        raise ValueError(f"{name} leaves must be Python bools, got {flag!r}")
+    return np.asarray([bool(f) for f in flags], bool)
 
   def leaf_mask(self, mask: Any) -> np.ndarray:
-    """bool[padded_size] from a per-leaf mask: a tree of bools shaped like the layout's tree, or a
-    callable taking the tree of shapes and returning one (as optax masks). Padding is False."""
-    if callable(mask):
-      mask = mask(self.unflatten_leaves([jax.ShapeDtypeStruct(s, d)
-                                         for s, d in zip(self.shapes, self.dtypes)]))
-    flags = self.treedef.flatten_up_to(mask)
-    out = np.repeat(np.asarray([bool(f) for f in flags]), self.sizes)
-    return np.concatenate([out, np.zeros(self.padded_size - self.size, bool)])
+    """bool[padded_size] from a per-leaf mask (see `leaf_flags`). Padding is False."""
+    return self._per_element(self.leaf_flags(mask), False)
 
   def unflatten_leaves(self, leaves: list[Any]) -> Any:
     return jax.tree.unflatten(self.treedef, leaves)
@@ -105,9 +164,14 @@ class FlatLayout:
       if tuple(np.shape(leaf)) != shape:
         raise ValueError(f"leaf {i} has shape {tuple(np.shape(leaf))}, the layout expects {shape}")
     dtype = jnp.result_type(*self.dtypes) if dtype is None else dtype
-    parts = [jnp.ravel(leaf).astype(dtype) for leaf in leaves]
-    if self.padded_size > self.size:
-      parts.append(jnp.zeros(self.padded_size - self.size, dtype))
+    parts, end = [], 0
+    for leaf, offset, size in zip(leaves, self.offsets, self.sizes):
+      if offset > end:
+        parts.append(jnp.zeros(offset - end, dtype))
+      parts.append(jnp.ravel(leaf).astype(dtype))
+      end = offset + size
+    if self.padded_size > end:
+      parts.append(jnp.zeros(self.padded_size - end, dtype))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   def unravel(self, flat: jax.Array) -> Any:

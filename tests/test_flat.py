@@ -61,3 +61,48 @@ def test_bad_input():
     layout.unravel(jnp.zeros(3))
   with pytest.raises(ValueError, match="shape"):
     layout.ravel({"a": np.zeros(5)})
+  with pytest.raises(ValueError, match="align"):
+    FlatLayout.from_tree({"a": np.zeros(3)}, align=0)
+
+
+@pytest.mark.parametrize("pad_to,align", [(1, 16), (8, 16), (6, 10), (3, 256)])
+def test_aligned_layout_rows_lie_inside_one_leaf(rng, pad_to, align):
+  tree = _tree(rng)
+  layout = FlatLayout.from_tree(tree, pad_to=pad_to, align=align)
+  leaves = jax.tree.leaves(tree)
+  assert all(o % align == 0 for o in layout.offsets)
+  assert layout.padded_size % pad_to == 0 and layout.padded_size % align == 0
+  assert layout.rows * align == layout.padded_size
+  flat = np.asarray(jax.jit(lambda t: layout.ravel(t, jnp.float32))(tree))
+  ids = layout.segment_ids
+  for i, (leaf, o, s) in enumerate(zip(leaves, layout.offsets, layout.sizes)):
+    np.testing.assert_array_equal(flat[o:o + s], np.ravel(np.asarray(leaf, np.float32)))
+    assert np.all(ids[o:o + s] == i)
+  assert np.all(flat[ids == layout.num_leaves] == 0)  # gaps and tail are zeros
+  assert layout.valid_mask.sum() == layout.size
+  # Each row holds values of one leaf only, and row_segment_ids names it.
+  row_ids = layout.row_segment_ids
+  per_row = ids.reshape(layout.rows, align)
+  for r in range(layout.rows):
+    real = per_row[r][per_row[r] < layout.num_leaves]
+    assert np.all(real == row_ids[r]) if real.size else row_ids[r] == layout.num_leaves
+  back = layout.unravel(jnp.asarray(flat))
+  for a, b in zip(jax.tree.leaves(back), leaves):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_leaf_flags_take_optax_masks(rng):
+  tree = _tree(rng)
+  layout = FlatLayout.from_tree(tree)
+  assert layout.leaf_flags(True).all() and not layout.leaf_flags(False).any()
+  prefix = {"conv": False, "scale": True, "emb": True, "odd": [False, True]}
+  want = [False, False, True, False, True, True]  # leaves in jax.tree.leaves order
+  got = layout.leaf_flags(prefix)
+  order = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  assert dict(zip(order, got)) == dict(zip(
+      ["['conv']['bias']", "['conv']['kernel']", "['emb']", "['odd'][0]", "['odd'][1]",
+       "['scale']"], want))
+  with pytest.raises(ValueError, match="weight_decay_mask"):
+    layout.leaf_flags({"conv": True}, "weight_decay_mask")
+  with pytest.raises(ValueError, match="bools"):
+    layout.leaf_flags(jax.tree.map(lambda x: 1, tree))

@@ -20,3 +20,17 @@ def test_readme_shard_map_example_trains():
   assert losses[0] < 1.0  # the initial loss is exactly 1 (zero params, targets 1)
   params = ns["params"]
   assert np.all(np.isfinite(np.asarray(params["w"]))) and np.any(np.asarray(params["w"]) != 0)
+
+
+def test_readme_fused_optimizer_example_matches_optax():
+  text = README.read_text()
+  section = text[text.index("## Fused optimizers"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  ns: dict = {}
+  exec(compile(code, "README.md", "exec"), ns)
+  diff = ns["jax"].tree.leaves(ns["jax"].tree.map(
+      lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+      ns["layout"].unravel(ns["flat_updates"]), ns["want"]))
+  assert max(diff) < 1e-7
+  pytree = ns["jax"].tree.leaves(ns["updates"])
+  assert all(np.all(np.isfinite(np.asarray(u))) for u in pytree)
