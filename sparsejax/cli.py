@@ -1,0 +1,108 @@
+"""`sparsejax` command line: thin, it parses and calls the library.
+
+  sparsejax train CONFIG [--workdir DIR] [--set key=value ...]
+  sparsejax info
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _ensure_cpu_devices(wanted: int) -> None:
+  """On a CPU-only machine, asks XLA for `wanted` virtual devices. XLA reads the flag when the
+  first backend starts (not when jax is imported), so this must run before any device query."""
+  if wanted <= 1:
+    return
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" in flags:
+    return
+  try:  # a GPU/TPU machine keeps its real devices
+    import importlib.util
+    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("libtpu"):
+      return
+  except (ImportError, ValueError):
+    pass
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
+
+
+def _train(args: argparse.Namespace) -> int:
+  from sparsejax.train import config as config_lib
+
+  try:
+    raw = config_lib.load_config(args.config)
+    config = config_lib.validate(config_lib.apply_overrides(raw, args.set or []))
+  except ValueError as e:
+    print(f"sparsejax train: {e}", file=sys.stderr)
+    return 2
+  _ensure_cpu_devices(config.mesh.num_devices)
+  from sparsejax.train.loop import TooManySkippedSteps, train_and_evaluate
+
+  workdir = args.workdir or os.path.join(
+      "runs", os.path.splitext(os.path.basename(args.config))[0])
+  try:
+    summary = train_and_evaluate(config, workdir, progress=not args.no_progress)
+  except ValueError as e:
+    print(f"sparsejax train: {e}", file=sys.stderr)
+    return 2
+  except TooManySkippedSteps as e:
+    print(f"sparsejax train: {e}", file=sys.stderr)
+    return 3
+  _print_summary(summary, workdir)
+  return 130 if summary["interrupted"] else 0
+
+
+def _print_summary(summary: dict, workdir: str) -> None:
+  rows = [("steps", f"{summary['steps']} / {summary['total_steps']}"),
+          ("wall time", f"{summary['wall_time_s']:.1f} s"),
+          ("MB sent per worker", f"{summary['bytes_sent'] / 1e6:.1f}"),
+          ("skipped steps", str(summary["skipped_steps"]))]
+  for name, block in (("final", summary.get("final_eval")), ("best", summary.get("best_eval"))):
+    for k, v in (block or {}).items():
+      rows.append((f"{name} {k}", f"{v:.4f}" if isinstance(v, float) else str(v)))
+  width = max(len(r[0]) for r in rows)
+  print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+  print(f"workdir: {os.path.abspath(workdir)} (train.csv, eval.csv, tensorboard/, checkpoints/, "
+        "summary.json)")
+
+
+def _info(args: argparse.Namespace) -> int:
+  del args
+  import flax
+  import jax
+  import optax
+
+  import sparsejax
+  print(f"sparsejax {sparsejax.__version__}, jax {jax.__version__}, flax {flax.__version__}, "
+        f"optax {optax.__version__}")
+  print(f"backend: {jax.default_backend()}, processes: {jax.process_count()}, "
+        f"devices: {jax.device_count()} ({jax.local_device_count()} local)")
+  for d in jax.local_devices():
+    print(f"  {d.id}: {d.device_kind}")
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__.split("\n")[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  t = sub.add_parser("train", help="train an experiment config")
+  t.add_argument("config", help="a Python file with get_config()")
+  t.add_argument("--workdir", help="where metrics, checkpoints and summary.json go "
+                                   "(default runs/<config name>)")
+  t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                 help="override a config key, e.g. --set optimizer.learning_rate=0.1")
+  t.add_argument("--no-progress", action="store_true", help="no progress bar")
+  t.set_defaults(func=_train)
+  i = sub.add_parser("info", help="devices, mesh and versions")
+  i.set_defaults(func=_info)
+  args = parser.parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

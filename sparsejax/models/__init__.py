@@ -1,0 +1,36 @@
+"""Flax models: the ResNet family (and, later, the Transformer). No training logic here."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import jax.numpy as jnp
+
+from sparsejax.models.resnet import (
+  ResNet,
+  ResNet18,
+  ResNet20,
+  ResNet34,
+  ResNet50,
+  ResNet101,
+  ResNet152,
+)
+
+__all__ = ["ResNet", "ResNet18", "ResNet20", "ResNet34", "ResNet50", "ResNet101", "ResNet152",
+           "MODELS", "build"]
+
+MODELS = {"resnet18": ResNet18, "resnet34": ResNet34, "resnet50": ResNet50,
+          "resnet101": ResNet101, "resnet152": ResNet152, "resnet20": ResNet20}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def build(name: str, *, num_classes: int, dtype: str = "float32", **kwargs: Any):
+  """The flax module called `name` (see MODELS) with compute dtype "float32" or "bfloat16"."""
+  if name not in MODELS:
+    close = difflib.get_close_matches(name, MODELS, n=3)
+    raise ValueError(f"unknown model {name!r}; allowed: {sorted(MODELS)}"
+                     + (f" (did you mean {', '.join(close)}?)" if close else ""))
+  if dtype not in DTYPES:
+    raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+  return MODELS[name](num_classes=num_classes, dtype=DTYPES[dtype], **kwargs)

@@ -1,0 +1,183 @@
+"""Experiment configs: Python files with `get_config()`, checked against `default_config()`.
+
+A config is an `ml_collections.ConfigDict` with the keys of `default_config()` (and no others).
+Unknown keys and wrong types are errors that name the closest known keys; `--set key=value`
+overrides are parsed with the type of the default.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+from typing import Any
+
+import ml_collections
+
+__all__ = ["default_config", "validate", "apply_overrides", "load_config"]
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key a config may set, with its default."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict({"name": "resnet20", "dtype": "float32"})
+  c.data = ml_collections.ConfigDict({"name": "digits", "path": ""})
+  # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
+  # that many virtual CPU devices when only a CPU is present.
+  c.mesh = ml_collections.ConfigDict({"nodes": 1, "local": -1, "num_devices": 0})
+  c.batch_size = 128            # global, over all devices
+  c.num_epochs = 10.0
+  c.label_smoothing = 0.0
+  c.optimizer = ml_collections.ConfigDict({
+      "name": "sgd",            # sgd | lars | lamb | adamw (the fused optimizers)
+      "learning_rate": 0.1,     # peak, after warm-up
+      "schedule": "cosine",     # cosine | linear | poly | step | constant, after the warm-up
+      "warmup_epochs": 0.0,
+      "end_learning_rate": 0.0,  # cosine/linear/poly end value
+      "poly_power": 2.0,
+      "step_epochs": (),        # step schedule: epochs where the rate is multiplied by step_factor
+      "step_factor": 0.1,
+      "momentum": 0.9,
+      "nesterov": False,
+      "weight_decay": 1e-4,     # never on BatchNorm parameters and biases (1-D leaves)
+      "trust_coefficient": 0.001,
+      "b1": 0.9, "b2": 0.999, "eps": 1e-8,
+  })
+  c.compression = ml_collections.ConfigDict({
+      "algorithm": "hitopk",    # hitopk | allgather | hierarchical | dense
+      "density": 0.01,
+      "selector": "mstopk",     # mstopk | exact | sampled
+      "error_feedback": True,
+      "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
+      "warmup_density": 0.25,
+  })
+  c.log_every_steps = 10
+  c.eval_every_steps = 0        # 0: only at the end
+  c.checkpoint_every_steps = 0  # 0: only at the end (and on Ctrl-C)
+  c.keep_checkpoints = 3
+  c.max_consecutive_skips = 10  # non-finite gradients this many steps in a row stop the run
+  return c
+
+
+def _close(key: str, known: list[str]) -> str:
+  close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+  return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def _type_ok(value: Any, default: Any) -> bool:
+  if isinstance(default, bool):
+    return isinstance(value, bool)
+  if isinstance(default, float):
+    return isinstance(value, int | float) and not isinstance(value, bool)
+  if isinstance(default, int):
+    return isinstance(value, int) and not isinstance(value, bool)
+  if isinstance(default, tuple | list):
+    return isinstance(value, tuple | list)
+  return isinstance(value, type(default))
+
+
+def validate(config: Any) -> ml_collections.ConfigDict:
+  """Checks keys, types and values against `default_config()` (config: ConfigDict or dict);
+  returns a full ConfigDict with the defaults filled in."""
+  full = default_config()
+
+  def walk(cfg: Any, ref: ml_collections.ConfigDict, prefix: str) -> None:
+    for key in cfg.keys():
+      name = prefix + key
+      if key not in ref:
+        raise ValueError(f"unknown config key {name!r}{_close(key, list(ref.keys()))}")
+      value, default = cfg[key], ref[key]
+      if isinstance(default, ml_collections.ConfigDict):
+        if not isinstance(value, ml_collections.ConfigDict | dict):  # noqa: UP038
+          raise ValueError(f"config key {name!r} must be a group of keys, got {value!r}")
+        walk(value, default, name + ".")
+      elif not _type_ok(value, default):
+        raise ValueError(f"config key {name!r} must be of type {type(default).__name__}, "
+                         f"got {value!r} ({type(value).__name__})")
+      else:
+        if isinstance(default, float):
+          value = float(value)
+        elif isinstance(default, tuple | list):
+          value = tuple(value)
+        ref[key] = value
+
+  walk(config, full, "")
+  _check_values(full)
+  return full
+
+
+def _check_values(c: ml_collections.ConfigDict) -> None:
+  def need(ok: bool, key: str, allowed: str) -> None:
+    if not ok:
+      raise ValueError(f"config key {key!r} = {_get(c, key)!r}: must be {allowed}")
+  need(c.batch_size > 0, "batch_size", "> 0")
+  need(c.num_epochs > 0, "num_epochs", "> 0")
+  need(0 <= c.label_smoothing < 1, "label_smoothing", "in [0, 1)")
+  need(c.optimizer.name in ("sgd", "lars", "lamb", "adamw"), "optimizer.name",
+       "one of sgd, lars, lamb, adamw")
+  need(c.optimizer.schedule in ("cosine", "linear", "poly", "step", "constant"),
+       "optimizer.schedule", "one of cosine, linear, poly, step, constant")
+  need(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", ">= 0")
+  need(c.optimizer.warmup_epochs >= 0, "optimizer.warmup_epochs", ">= 0")
+  need(c.compression.algorithm in ("hitopk", "allgather", "hierarchical", "dense"),
+       "compression.algorithm", "one of hitopk, allgather, hierarchical, dense")
+  need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
+  need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
+  need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
+  need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
+  need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
+  need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
+  need(c.max_consecutive_skips >= 1, "max_consecutive_skips", ">= 1")
+  if c.data.path and not os.path.exists(c.data.path):
+    raise ValueError(f"config key 'data.path': {c.data.path!r} does not exist")
+
+
+def _get(c: Any, dotted: str) -> Any:
+  for part in dotted.split("."):
+    c = c[part]
+  return c
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> dict:
+  """Applies `key.sub=value` strings to a config (ConfigDict or dict); returns a plain dict.
+
+  Values are parsed as Python literals where the default is not a string (`0.1`, `True`, `(3, 6)`).
+  """
+  tree = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+  ref = default_config()
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"--set expects key=value, got {item!r}")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    node, ref_node = tree, ref
+    for i, part in enumerate(parts):
+      if part not in ref_node:
+        raise ValueError(f"unknown config key {'.'.join(parts[:i + 1])!r}"
+                         f"{_close(part, list(ref_node.keys()))}")
+      if i < len(parts) - 1:
+        ref_node = ref_node[part]
+        node = node.setdefault(part, {})
+    if isinstance(ref_node[parts[-1]], str):
+      value: Any = text
+    else:
+      try:
+        value = ast.literal_eval(text)
+      except (ValueError, SyntaxError):
+        value = text
+    node[parts[-1]] = value
+  return tree
+
+
+def load_config(path: str) -> ml_collections.ConfigDict:
+  """Imports a config file and returns its `get_config()`, validated."""
+  if not os.path.isfile(path):
+    raise ValueError(f"config file {path!r} does not exist")
+  spec = importlib.util.spec_from_file_location("sparsejax_user_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"config file {path!r} has no get_config()")
+  return module.get_config()

@@ -1,0 +1,177 @@
+"""`train_and_evaluate(config, workdir)`: the main job, top to bottom."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from sparsejax import data as data_lib
+from sparsejax import models
+from sparsejax.train import checkpoint, schedules
+from sparsejax.train import config as config_lib
+from sparsejax.train import step as step_lib
+from sparsejax.train.mesh import make_mesh
+from sparsejax.train.metrics import MetricsWriter
+
+__all__ = ["train_and_evaluate", "check_workdir", "TooManySkippedSteps"]
+
+
+class TooManySkippedSteps(RuntimeError):
+  """Raised when `max_consecutive_skips` steps in a row had non-finite gradients."""
+
+
+def check_workdir(workdir: str) -> str:
+  """Creates `workdir` if needed and checks that files can be written there."""
+  workdir = os.path.abspath(workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise ValueError(f"workdir {workdir!r} is not writable: {e.strerror}") from None
+  return workdir
+
+
+def _evaluate(trainer: step_lib.Trainer, eval_step, state, test, batch_size: int
+              ) -> dict[str, float]:
+  totals: dict[str, float] = {}
+  for images, labels, weights in data_lib.eval_batches(test, batch_size):
+    sums = jax.device_get(eval_step(state, *trainer.shard_batch(images, labels, weights)))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+  count = totals.pop("count")
+  return {k: v / count for k, v in totals.items()}
+
+
+def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
+  rows = jax.device_get(rows)
+  out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+  out["skipped"] = float(np.sum([r["skipped"] for r in rows]))
+  return out
+
+
+def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> dict[str, Any]:
+  """Trains `config` (a validated or raw config), writing metrics, checkpoints and
+  `summary.json` under `workdir`; resumes from the latest checkpoint there. Returns the summary."""
+  # --- checks that need no compilation
+  config = config_lib.validate(config)
+  workdir = check_workdir(workdir)
+  mesh = make_mesh(config.mesh.nodes, config.mesh.local)
+  workers = mesh.size
+  if config.batch_size % workers:
+    raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
+                     f"{workers} devices of the mesh")
+  train, test = data_lib.load(config.data.name, seed=config.seed)
+  batcher = data_lib.EpochBatcher(train, config.batch_size, config.seed)
+  steps_per_epoch = batcher.steps_per_epoch
+  total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+
+  # --- model, transforms, state
+  model = models.build(config.model.name, num_classes=train.num_classes, dtype=config.model.dtype)
+  lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
+  trainer = step_lib.Trainer(
+      model, mesh, config.compression,
+      lambda layout: step_lib.build_optimizer(config.optimizer, lr, layout),
+      num_classes=train.num_classes, label_smoothing=config.label_smoothing,
+      density_schedule=schedules.density(config.compression, steps_per_epoch), learning_rate=lr)
+  state = trainer.init(config.seed, train.images.shape[1:])
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if start:
+    state = trainer.place(ckpt.restore(start, state))
+  train_step = trainer.train_step_fn(state)
+  eval_step = trainer.eval_step_fn(state)
+  sync = trainer.sync_batch_stats_fn(state)
+  writer = MetricsWriter(workdir, resume_step=start)
+  evals: list[tuple[int, dict[str, float]]] = []
+  summary_path = os.path.join(workdir, "summary.json")
+  previous = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
+  bytes_sent = float(previous.get("bytes_sent", 0.0))
+  skipped_steps = int(previous.get("skipped_steps", 0))
+
+  def evaluate(state, step):
+    state = sync(state)
+    metrics = _evaluate(trainer, eval_step, state, test, config.batch_size)
+    writer.write("eval", step, metrics)
+    evals.append((step, metrics))
+    return state
+
+  def save(state, step):
+    state = sync(state)
+    ckpt.save(step, state)
+    return state
+
+  # --- the loop
+  t0 = time.time()
+  bar = tqdm(total=total_steps, initial=start, disable=not progress, unit="step",
+             dynamic_ncols=True)
+  pending: list[dict[str, jax.Array]] = []
+  step = start
+  interrupted = False
+  try:
+    for step in range(start, total_steps):
+      images, labels = batcher.batch(step)
+      state, metrics = train_step(state, *trainer.shard_batch(images, labels))
+      pending.append(metrics)
+      done = step + 1
+      if done % config.log_every_steps == 0 or done == total_steps:
+        logged = _mean(pending)
+        bytes_sent += logged["bytes_sent"] * len(pending)
+        skipped_steps += int(logged["skipped"])
+        pending = []
+        writer.write("train", done, logged)
+        bar.set_postfix(loss=f"{logged['loss']:.3f}", acc=f"{logged['accuracy']:.3f}",
+                        MB_per_step=f"{logged['bytes_sent'] / 1e6:.2f}")
+        if int(state.consecutive_skips) >= config.max_consecutive_skips:
+          raise TooManySkippedSteps(
+              f"{int(state.consecutive_skips)} consecutive steps had non-finite gradients "
+              f"(max_consecutive_skips = {config.max_consecutive_skips}); stopping at step "
+              f"{done}. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+      bar.update(1)
+      if config.eval_every_steps and done % config.eval_every_steps == 0 and done < total_steps:
+        state = evaluate(state, done)
+      if (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
+          and done < total_steps):
+        state = save(state, done)
+    step = total_steps
+  except KeyboardInterrupt:
+    interrupted = True
+    step = int(state.step)
+    bar.close()
+    print(f"\ninterrupted: saving a checkpoint at step {step} in {ckpt.directory}")
+    save(state, step)
+  finally:
+    bar.close()
+  if not interrupted:
+    state = evaluate(state, total_steps)
+    state = save(state, total_steps)
+  writer.close()
+  ckpt.close()
+
+  # --- the summary
+  candidates = [{"step": s, **m} for s, m in evals]
+  if previous.get("best_eval"):
+    candidates.append(previous["best_eval"])
+  best = max(candidates, key=lambda e: e["accuracy"]) if candidates else None
+  summary = {
+      "config": config.to_dict(), "steps": int(step), "total_steps": total_steps,
+      "interrupted": interrupted,
+      "wall_time_s": float(previous.get("wall_time_s", 0.0)) + time.time() - t0,
+      "final_eval": evals[-1][1] if evals and not interrupted else None,
+      "best_eval": best,
+      "bytes_sent": bytes_sent, "skipped_steps": skipped_steps,
+      "devices": workers, "mesh": dict(mesh.shape),
+  }
+  tmp = summary_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  os.replace(tmp, summary_path)
+  return summary

@@ -1,0 +1,58 @@
+"""Metrics to CSV files and TensorBoard event files (tensorboardX), one row per logged step."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from tensorboardX import SummaryWriter
+
+__all__ = ["MetricsWriter"]
+
+
+class MetricsWriter:
+  """`write(split, step, {name: value})` appends to `<workdir>/<split>.csv` and TensorBoard.
+
+  On resume (`resume_step`), rows after that step (logged after the last checkpoint by the
+  interrupted run) are dropped from the CSV files first, so each step appears once."""
+
+  def __init__(self, workdir: str, resume_step: int = 0):
+    self.workdir = workdir
+    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.columns: dict[str, list[str]] = {}
+    for split in ("train", "eval"):
+      path = self._path(split)
+      if os.path.exists(path):
+        with open(path, newline="") as f:
+          rows = list(csv.DictReader(f))
+        if rows:
+          self.columns[split] = list(rows[0].keys())
+        keep = [r for r in rows if int(r["step"]) <= resume_step]
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+          if rows:
+            w = csv.DictWriter(f, fieldnames=self.columns[split])
+            w.writeheader()
+            w.writerows(keep)
+        os.replace(tmp, path)
+
+  def _path(self, split: str) -> str:
+    return os.path.join(self.workdir, f"{split}.csv")
+
+  def write(self, split: str, step: int, metrics: dict[str, float]) -> None:
+    row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    path = self._path(split)
+    new = split not in self.columns or not os.path.exists(path)
+    if new:
+      self.columns[split] = list(row)
+    with open(path, "a", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=self.columns[split], extrasaction="ignore")
+      if new:
+        w.writeheader()
+      w.writerow(row)
+    for name, value in metrics.items():
+      self.tb.add_scalar(f"{split}/{name}", float(value), step)
+    self.tb.flush()
+
+  def close(self) -> None:
+    self.tb.close()

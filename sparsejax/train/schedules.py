@@ -1,0 +1,49 @@
+"""Learning-rate and density schedules in steps, built from the config's epochs."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+__all__ = ["learning_rate", "density"]
+
+
+def learning_rate(opt: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int
+                  ) -> optax.Schedule:
+  """Linear warm-up from 0 over `warmup_epochs`, then cosine / linear / poly / step / constant."""
+  peak, end = opt.learning_rate, opt.end_learning_rate
+  warmup = int(round(opt.warmup_epochs * steps_per_epoch))
+  rest = max(total_steps - warmup, 1)
+  if opt.schedule == "cosine":
+    main = optax.cosine_decay_schedule(peak, rest, alpha=end / peak if peak else 0.0)
+  elif opt.schedule == "linear":
+    main = optax.linear_schedule(peak, end, rest)
+  elif opt.schedule == "poly":
+    main = optax.polynomial_schedule(peak, end, opt.poly_power, rest)
+  elif opt.schedule == "step":
+    boundaries = {int(round(e * steps_per_epoch)) - warmup: opt.step_factor
+                  for e in opt.step_epochs}
+    main = optax.piecewise_constant_schedule(peak, boundaries)
+  else:
+    main = optax.constant_schedule(peak)
+  if warmup == 0:
+    return main
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+
+
+def density(comp: ml_collections.ConfigDict, steps_per_epoch: int) -> optax.Schedule | None:
+  """DGC-style warm-up: density decays geometrically from `warmup_density` to `density` over
+  `warmup_epochs` (None when there is no warm-up)."""
+  steps = int(round(comp.warmup_epochs * steps_per_epoch))
+  if steps == 0 or comp.warmup_density <= comp.density:
+    return None
+  start, target = comp.warmup_density, comp.density
+  ratio = math.log(target / start)
+
+  def schedule(count):
+    frac = jnp.minimum(jnp.asarray(count, jnp.float32) / steps, 1.0)
+    return start * jnp.exp(ratio * frac)
+  return schedule

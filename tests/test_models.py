@@ -1,0 +1,70 @@
+"""The model zoo: parameter counts of the published models and one real train step per family."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+
+from sparsejax import models
+from sparsejax.train import default_config
+from sparsejax.train.step import Trainer, build_optimizer
+
+# torchvision's counts for the same architectures (ResNet v1.5, 1000 classes).
+COUNTS = {"resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50": 25_557_032,
+          "resnet101": 44_549_160, "resnet152": 60_192_808}
+
+
+def _count(model, shape):
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(shape), train=False))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(variables["params"])), variables
+
+
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_resnet_parameter_counts(name):
+  n, variables = _count(models.build(name, num_classes=1000), (1, 224, 224, 3))
+  assert n == COUNTS[name]
+  if name == "resnet50":
+    assert len(jax.tree.leaves(variables["params"])) == 161
+
+
+def test_resnet20_is_the_cifar_resnet():
+  n, _ = _count(models.build("resnet20", num_classes=10), (1, 32, 32, 3))
+  assert n == 272_474  # He et al. 2016, section 4.2: "0.27M" (the usual exact count)
+
+
+def test_bad_model_names():
+  with pytest.raises(ValueError, match="resnet50"):
+    models.build("resnet5O", num_classes=10)
+  with pytest.raises(ValueError, match="dtype"):
+    models.build("resnet18", num_classes=10, dtype="float16")
+
+
+@pytest.mark.parametrize("name,filters,size,dtype", [
+    ("resnet50", 2, 32, "bfloat16"), ("resnet20", 4, 8, "float32")])
+def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
+  """Bottleneck (ImageNet stem) and basic-block (small-image stem) ResNets: a real step on 8
+  devices (2 nodes x 4) with HiTopKComm and fused LARS. The loss is finite, the parameters move,
+  BN statistics stay per worker and the step count advances."""
+  config = default_config()
+  config.compression.density = 0.05
+  config.optimizer.name = "lars"
+  model = models.build(name, num_classes=7, dtype=dtype, num_filters=filters)
+  mesh = make_mesh(2, 4)
+  trainer = Trainer(model, mesh, config.compression,
+                    lambda layout: build_optimizer(config.optimizer, 0.1, layout), num_classes=7)
+  state = trainer.init(0, (size, size, 3))
+  before = np.asarray(state.params)
+  step = trainer.train_step_fn(state)
+  images = rng.standard_normal((16, size, size, 3)).astype(np.float32)
+  labels = rng.integers(0, 7, 16).astype(np.int32)
+  state, metrics = step(state, *trainer.shard_batch(images, labels))
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["skipped"]) == 0
+  assert int(state.step) == 1
+  assert np.any(np.asarray(state.params) != before)
+  stats = jax.tree.leaves(state.batch_stats)
+  assert stats and all(s.shape[0] == 8 for s in stats)
+  assert any(not np.allclose(np.asarray(s)[0], np.asarray(s)[1]) for s in stats)
+  assert state.params.dtype == jnp.float32

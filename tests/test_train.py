@@ -1,0 +1,218 @@
+"""The main job end to end: train_and_evaluate, resume, dense equivalence, bad input, skips."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparsejax import data as data_lib
+from sparsejax import models
+from sparsejax.train import TooManySkippedSteps, default_config, train_and_evaluate, validate
+from sparsejax.train import config as config_lib
+from sparsejax.train.step import Trainer, build_optimizer, decay_mask
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(**changes):
+  """The quickstart's recipe, shortened: 22 steps of ResNet-20 (8 filters) on digits."""
+  config = config_lib.load_config(os.path.join(ROOT, "configs", "quickstart.py"))
+  config.num_epochs = 2.0
+  config.log_every_steps = 1
+  config.eval_every_steps = 10
+  config.checkpoint_every_steps = 10
+  config.compression.warmup_epochs = 1.0
+  for key, value in changes.items():
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
+def read_csv(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("full"))
+  summary = train_and_evaluate(small_config(), workdir, progress=False)
+  return workdir, summary
+
+
+def test_run_writes_metrics_events_summary_and_checkpoints(full_run):
+  workdir, summary = full_run
+  train_rows = read_csv(os.path.join(workdir, "train.csv"))
+  assert [int(r["step"]) for r in train_rows] == list(range(1, 23))
+  for name in ("loss", "accuracy", "top5_accuracy", "grad_norm", "density", "bytes_sent",
+               "skipped", "learning_rate"):
+    assert name in train_rows[0]
+  assert float(train_rows[-1]["loss"]) < float(train_rows[0]["loss"])
+  # DGC warm-up: the density starts high and reaches the target.
+  assert float(train_rows[0]["density"]) > 0.01
+  assert float(train_rows[-1]["density"]) == pytest.approx(0.01)
+  eval_rows = read_csv(os.path.join(workdir, "eval.csv"))
+  assert [int(r["step"]) for r in eval_rows] == [10, 20, 22]
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20", "22"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    on_disk = json.load(f)
+  for key in ("wall_time_s", "steps", "final_eval", "best_eval", "bytes_sent", "skipped_steps"):
+    assert key in on_disk
+  assert on_disk["steps"] == 22 and on_disk["skipped_steps"] == 0
+  assert set(on_disk["final_eval"]) >= {"accuracy", "loss"}
+  assert on_disk["final_eval"]["accuracy"] > 0.5  # 22 steps on digits
+  assert summary["best_eval"]["accuracy"] >= summary["final_eval"]["accuracy"]
+
+
+def test_resumed_run_has_exactly_the_metrics_of_the_uninterrupted_run(full_run, tmp_path):
+  workdir, _ = full_run
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  for step in ("20", "22"):  # as if the run had died after the checkpoint at step 10
+    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
+  os.remove(os.path.join(resumed, "summary.json"))
+  train_and_evaluate(small_config(), resumed, progress=False)
+  want, got = (read_csv(os.path.join(d, "train.csv")) for d in (workdir, resumed))
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for w, g in zip(want, got):
+    assert w == g, (w, g)
+  assert read_csv(os.path.join(resumed, "eval.csv")) == read_csv(os.path.join(workdir, "eval.csv"))
+
+
+def test_dense_density_one_equals_plain_optax_with_pmean(rng):
+  """The trainer with the dense all-reduce and the fused SGD gives the loss curve of a plain
+  shard_map step: optax.sgd on the pytree after a pmean of the gradients."""
+  config = default_config()
+  config.compression.algorithm = "dense"
+  config.compression.density = 1.0
+  config.optimizer.name = "sgd"
+  config.optimizer.nesterov = True
+  config.optimizer.weight_decay = 1e-3
+  model = models.build("resnet20", num_classes=10, num_filters=4)
+  mesh = make_mesh(2, 4)
+  trainer = Trainer(model, mesh, config.compression,
+                    lambda layout: build_optimizer(config.optimizer, 0.05, layout), num_classes=10)
+  state = trainer.init(1, (8, 8, 1))
+  train, _ = data_lib.digits()
+  batches = [(train.images[i * 64:(i + 1) * 64], train.labels[i * 64:(i + 1) * 64])
+             for i in range(5)]
+  step = trainer.train_step_fn(state)
+  got = []
+  for images, labels in batches:
+    state, metrics = step(state, *trainer.shard_batch(images, labels))
+    got.append(float(metrics["loss"]))
+
+  variables = jax.jit(lambda r: model.init(r, jnp.zeros((1, 8, 8, 1)), train=False))(
+      jax.random.key(1, impl="rbg"))  # the trainer's initialisation
+  params, stats = variables["params"], variables["batch_stats"]
+  tx = optax.chain(optax.add_decayed_weights(1e-3, decay_mask),
+                   optax.sgd(0.05, momentum=0.9, nesterov=True))
+  opt_state = tx.init(params)
+  spec = P(("node", "local"))
+
+  def body(params, opt_state, stats, images, labels):
+    stats = jax.tree.map(lambda s: s[0], stats)
+
+    def loss_fn(p):
+      logits, mut = model.apply({"params": p, "batch_stats": stats}, images, train=True,
+                                mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, 10)).mean()
+      return loss, mut["batch_stats"]
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.lax.pmean(grads, ("node", "local"))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            jax.tree.map(lambda s: s[None], stats), jax.lax.pmean(loss, ("node", "local")))
+
+  ref_step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), spec, spec, spec),
+                                   out_specs=(P(), P(), spec, P()), check_vma=False))
+  stats = jax.tree.map(lambda s: jax.device_put(np.broadcast_to(s, (8,) + s.shape),
+                                                NamedSharding(mesh, spec)), stats)
+  want = []
+  for images, labels in batches:
+    params, opt_state, stats, loss = ref_step(params, opt_state, stats,
+                                              *trainer.shard_batch(images, labels))
+    want.append(float(loss))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"batch_size": 100}, "100.*8 devices"),
+    ({"mesh.nodes": 3, "mesh.local": 2}, "3 x 2.*8 devices"),
+    ({"data.path": "/no/such/dir"}, "/no/such/dir"),
+])
+def test_bad_input_fails_before_compiling(tmp_path, changes, match):
+  with pytest.raises(ValueError, match=match):
+    train_and_evaluate(small_config(**changes), str(tmp_path), progress=False)
+
+
+def test_unknown_keys_and_wrong_types_name_close_matches():
+  config = small_config()
+  with pytest.raises(ValueError, match="did you mean optimizer"):
+    validate(config_lib.apply_overrides(config, ["optimiser.name=sgd"]))
+  with pytest.raises(ValueError, match="did you mean learning_rate"):
+    validate(config_lib.apply_overrides(config, ["optimizer.learning_rte=0.1"]))
+  with pytest.raises(ValueError, match="batch_size.*int.*'big'"):
+    validate(config_lib.apply_overrides(config, ["batch_size=big"]))
+  raw = config.to_dict()
+  raw["compresion"] = {}
+  with pytest.raises(ValueError, match="did you mean compression"):
+    validate(raw)
+  ok = validate(config_lib.apply_overrides(config, ["optimizer.learning_rate=1", "seed=3"]))
+  assert ok.optimizer.learning_rate == 1.0 and isinstance(ok.optimizer.learning_rate, float)
+
+
+def test_workdir_that_is_not_writable(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with pytest.raises(ValueError, match="not writable"):
+    train_and_evaluate(small_config(), str(blocker / "run"), progress=False)
+
+
+def test_non_finite_gradients_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
+  def poisoned(seed=0):
+    train, test = data_lib.digits(seed)
+    images = train.images.copy()
+    images[:] = np.nan  # every batch: non-finite gradients on every worker
+    return data_lib.ArrayDataset(images, train.labels, 10), test
+
+  monkeypatch.setitem(data_lib.small.DATASETS, "poisoned", poisoned)
+  config = small_config(**{"data.name": "poisoned", "max_consecutive_skips": 3,
+                           "checkpoint_every_steps": 2})
+  with pytest.raises(TooManySkippedSteps, match="3 consecutive steps"):
+    train_and_evaluate(config, str(tmp_path), progress=False)
+  rows = read_csv(os.path.join(tmp_path, "train.csv"))
+  assert [float(r["skipped"]) for r in rows] == [1.0, 1.0, 1.0]
+  # The checkpoint written before the stop holds the initial parameters, untouched by NaNs.
+  assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
+
+
+def test_cli_trains_with_overrides_and_creates_its_own_cpu_devices(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  cmd = [sys.executable, "-m", "sparsejax.cli", "train", os.path.join(ROOT, "configs",
+                                                                      "quickstart.py"),
+         "--workdir", str(tmp_path), "--no-progress", "--set", "num_epochs=1",
+         "--set", "eval_every_steps=0", "--set", "checkpoint_every_steps=0"]
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "final accuracy" in out.stdout
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["devices"] == 8
+  bad = subprocess.run(cmd[:5] + ["--set", "optimizer.learning_rte=1"], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "did you mean" in bad.stderr
