@@ -17,8 +17,11 @@ COUNTS = {"resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50": 25_557_032
           "resnet101": 44_549_160, "resnet152": 60_192_808}
 
 
-def _count(model, shape):
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(shape), train=False))
+def _count(model, shape, inputs=None):
+  x = jnp.zeros(shape) if inputs is None else inputs
+  if inputs is not None and type(model).__name__ == "TransformerLM":
+    x = inputs[0]
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(variables["params"])), variables
 
 
@@ -68,3 +71,44 @@ def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
   assert stats and all(s.shape[0] == 8 for s in stats)
   assert any(not np.allclose(np.asarray(s)[0], np.asarray(s)[1]) for s in stats)
   assert state.params.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name,pre_ln,count,leaves", [
+    ("transformer_base", False, 60_522_496, 253), ("transformer_base", True, 60_524_544, 257),
+    ("transformer_big", False, 209_125_376, 253)])
+def test_transformer_parameter_counts(name, pre_ln, count, leaves):
+  tokens = jnp.ones((1, 16), jnp.int32)
+  n, variables = _count(models.build(name, num_classes=32000, pre_ln=pre_ln), None,
+                        inputs=(tokens, tokens))
+  assert n == count and len(jax.tree.leaves(variables["params"])) == leaves
+
+
+@pytest.mark.parametrize("name,positions,pre_ln", [
+    ("transformer_base", "sinusoidal", False), ("transformer_lm", "learned", True)])
+def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_ln):
+  """Tiny encoder-decoder and decoder-only models: one step on 8 devices with HiTopKComm and
+  fused AdamW; padding tokens (0) are not counted; dropout keys differ per worker."""
+  config = default_config()
+  config.compression.density = 0.05
+  config.optimizer.name = "adamw"
+  vocab, length = 53, 11
+  model = models.build(name, num_classes=vocab, d_model=16, num_heads=2, d_ff=24, num_layers=2,
+                       max_len=16, positions=positions, pre_ln=pre_ln)
+  trainer = Trainer(model, make_mesh(2, 4), config.compression,
+                    lambda layout: build_optimizer(config.optimizer, 1e-3, layout),
+                    num_classes=vocab)
+  tokens = rng.integers(1, vocab, (16, length + 1)).astype(np.int32)
+  tokens[:, -3:] = 0  # padding
+  inputs, labels = tokens[:, :-1], tokens[:, 1:]
+  if name == "transformer_base":
+    inputs = (rng.integers(1, vocab, (16, length)).astype(np.int32), inputs)
+  example = jax.tree.map(lambda x: jnp.zeros((1,) + x.shape[1:], jnp.int32), inputs)
+  state = trainer.init(0, example)
+  before = np.asarray(state.params)
+  step = trainer.train_step_fn(state)
+  state, metrics = step(state, *trainer.shard_batch(inputs, labels))
+  assert np.isfinite(float(metrics["loss"])) and 0 <= float(metrics["accuracy"]) <= 1
+  assert np.any(np.asarray(state.params) != before) and int(state.step) == 1
+  sums = trainer.eval_step_fn(state)(state, *trainer.shard_batch(inputs, labels,
+                                                                 np.ones(16, np.float32)))
+  assert float(sums["count"]) == float(np.sum(labels != 0))
