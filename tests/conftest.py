@@ -6,6 +6,10 @@ import zlib
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled programs are cached on disk for the session: a resumed run compiles nothing again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"sparsejax-test-jit-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -45,12 +45,12 @@ def test_bad_model_names():
     models.build("resnet18", num_classes=10, dtype="float16")
 
 
-@pytest.mark.parametrize("name,filters,size,dtype", [
-    ("resnet50", 2, 32, "bfloat16"), ("resnet20", 4, 8, "float32")])
+# The bottleneck ResNet-50 with the ImageNet stem runs in tests/test_configs.py (the recipes).
+@pytest.mark.parametrize("name,filters,size,dtype", [("resnet20", 4, 8, "bfloat16")])
 def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
-  """Bottleneck (ImageNet stem) and basic-block (small-image stem) ResNets: a real step on 8
-  devices (2 nodes x 4) with HiTopKComm and fused LARS. The loss is finite, the parameters move,
-  BN statistics stay per worker and the step count advances."""
+  """A real step on 8 devices (2 nodes x 4) with HiTopKComm and fused LARS, bfloat16 compute.
+  The loss is finite, the parameters move (float32), BN statistics stay per worker and the step
+  count advances."""
   config = default_config()
   config.compression.density = 0.05
   config.optimizer.name = "lars"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "EpochBatcher", "digits", "eval_batches", "load"]
+__all__ = ["ArrayDataset", "EpochBatcher", "digits", "eval_batches", "load", "resize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +78,12 @@ def eval_batches(data: ArrayDataset, global_batch: int
     weight = (idx < n).astype(np.float32)
     idx = np.minimum(idx, n - 1)
     yield data.images[idx], data.labels[idx], weight
+
+
+def resize(images: np.ndarray, size: int) -> np.ndarray:
+  """float32 NHWC images resized (bilinear, antialiased) to size x size."""
+  import jax
+  if images.shape[1:3] == (size, size):
+    return images
+  out = jax.image.resize(images, images.shape[:1] + (size, size) + images.shape[3:], "bilinear")
+  return np.asarray(out, np.float32)

@@ -22,8 +22,11 @@ def default_config() -> ml_collections.ConfigDict:
   """Every key a config may set, with its default."""
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.model = ml_collections.ConfigDict({"name": "resnet20", "dtype": "float32"})
-  c.data = ml_collections.ConfigDict({"name": "digits", "path": ""})
+  # num_filters: width of the first ResNet stage (0 = the model's own); smoke tests shrink it.
+  c.model = ml_collections.ConfigDict({"name": "resnet20", "dtype": "float32", "num_filters": 0})
+  # resize_schedule: progressive resizing, ((first_epoch, image_size), ...) sorted by epoch;
+  # () keeps the dataset's own size.
+  c.data = ml_collections.ConfigDict({"name": "digits", "path": "", "resize_schedule": ()})
   # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
   # that many virtual CPU devices when only a CPU is present.
   c.mesh = ml_collections.ConfigDict({"nodes": 1, "local": -1, "num_devices": 0})
@@ -130,6 +133,11 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
   need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
   need(c.max_consecutive_skips >= 1, "max_consecutive_skips", ">= 1")
+  stages = c.data.resize_schedule
+  ok = all(isinstance(st, tuple | list) and len(st) == 2 and st[1] > 0 for st in stages)
+  epochs = [st[0] for st in stages] if ok else []
+  need(ok and epochs == sorted(epochs) and (not epochs or epochs[0] == 0),
+       "data.resize_schedule", "((0, size), (epoch, size), ...) with rising epochs")
   if c.data.path and not os.path.exists(c.data.path):
     raise ValueError(f"config key 'data.path': {c.data.path!r} does not exist")
 

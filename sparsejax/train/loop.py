@@ -21,7 +21,7 @@ from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import make_mesh
 from sparsejax.train.metrics import MetricsWriter
 
-__all__ = ["train_and_evaluate", "check_workdir", "TooManySkippedSteps"]
+__all__ = ["train_and_evaluate", "build_trainer", "check_workdir", "TooManySkippedSteps"]
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -40,10 +40,27 @@ def check_workdir(workdir: str) -> str:
   return workdir
 
 
-def _evaluate(trainer: step_lib.Trainer, eval_step, state, test, batch_size: int
-              ) -> dict[str, float]:
+def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, total_steps: int
+                  ) -> step_lib.Trainer:
+  """The `Trainer` a validated config describes: model, compression, fused optimizer, schedules."""
+  extra = {"num_filters": config.model.num_filters} if config.model.num_filters else {}
+  model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
+                       **extra)
+  lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
+  return step_lib.Trainer(
+      model, mesh, config.compression,
+      lambda layout: step_lib.build_optimizer(config.optimizer, lr, layout),
+      num_classes=num_classes, label_smoothing=config.label_smoothing,
+      density_schedule=schedules.density(config.compression, steps_per_epoch), learning_rate=lr,
+      seed=config.seed)
+
+
+def _evaluate(trainer: step_lib.Trainer, eval_step, state, test, batch_size: int,
+              size: int | None) -> dict[str, float]:
   totals: dict[str, float] = {}
   for images, labels, weights in data_lib.eval_batches(test, batch_size):
+    if size is not None:
+      images = data_lib.resize(images, size)
     sums = jax.device_get(eval_step(state, *trainer.shard_batch(images, labels, weights)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
@@ -75,13 +92,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
 
   # --- model, transforms, state
-  model = models.build(config.model.name, num_classes=train.num_classes, dtype=config.model.dtype)
-  lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
-  trainer = step_lib.Trainer(
-      model, mesh, config.compression,
-      lambda layout: step_lib.build_optimizer(config.optimizer, lr, layout),
-      num_classes=train.num_classes, label_smoothing=config.label_smoothing,
-      density_schedule=schedules.density(config.compression, steps_per_epoch), learning_rate=lr)
+  trainer = build_trainer(config, mesh, train.num_classes, steps_per_epoch, total_steps)
   state = trainer.init(config.seed, train.images.shape[1:])
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   start = ckpt.latest_step() or 0
@@ -99,7 +110,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
 
   def evaluate(state, step):
     state = sync(state)
-    metrics = _evaluate(trainer, eval_step, state, test, config.batch_size)
+    size = schedules.image_size(config.data.resize_schedule, step / steps_per_epoch)
+    metrics = _evaluate(trainer, eval_step, state, test, config.batch_size, size)
     writer.write("eval", step, metrics)
     evals.append((step, metrics))
     return state
@@ -119,6 +131,9 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   try:
     for step in range(start, total_steps):
       images, labels = batcher.batch(step)
+      size = schedules.image_size(config.data.resize_schedule, step / steps_per_epoch)
+      if size is not None:  # progressive resizing: each size compiles once
+        images = data_lib.resize(images, size)
       state, metrics = train_step(state, *trainer.shard_batch(images, labels))
       pending.append(metrics)
       done = step + 1

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-__all__ = ["learning_rate", "density"]
+__all__ = ["learning_rate", "density", "image_size", "resize_stages"]
 
 
 def learning_rate(opt: ml_collections.ConfigDict, steps_per_epoch: int, total_steps: int
@@ -47,3 +47,19 @@ def density(comp: ml_collections.ConfigDict, steps_per_epoch: int) -> optax.Sche
     frac = jnp.minimum(jnp.asarray(count, jnp.float32) / steps, 1.0)
     return start * jnp.exp(ratio * frac)
   return schedule
+
+
+def resize_stages(resize_schedule, total_epochs: float) -> list[tuple[float, float, int]]:
+  """[(first_epoch, end_epoch, image_size)] of a progressive-resizing schedule."""
+  stages = [(float(e), int(size)) for e, size in resize_schedule]
+  ends = [e for e, _ in stages[1:]] + [float(total_epochs)]
+  return [(start, end, size) for (start, size), end in zip(stages, ends) if start < total_epochs]
+
+
+def image_size(resize_schedule, epoch: float) -> int | None:
+  """The image size of `epoch` (None without a schedule)."""
+  size = None
+  for start, s in resize_schedule:
+    if epoch >= start:
+      size = int(s)
+  return size
