@@ -1,7 +1,7 @@
 """`sparsejax` command line: thin, it parses and calls the library.
 
   sparsejax train CONFIG [--workdir DIR] [--set key=value ...]
-  sparsejax info
+  sparsejax info [--config CONFIG]
 """
 
 from __future__ import annotations
@@ -72,7 +72,16 @@ def _print_summary(summary: dict, workdir: str) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-  del args
+  mesh_sizes = (1, -1)
+  if args.config:
+    from sparsejax.train import config as config_lib
+    try:
+      config = config_lib.validate(config_lib.load_config(args.config))
+    except ValueError as e:
+      print(f"sparsejax info: {e}", file=sys.stderr)
+      return 2
+    _ensure_cpu_devices(config.mesh.num_devices)
+    mesh_sizes = (config.mesh.nodes, config.mesh.local)
   import flax
   import jax
   import optax
@@ -84,6 +93,14 @@ def _info(args: argparse.Namespace) -> int:
         f"devices: {jax.device_count()} ({jax.local_device_count()} local)")
   for d in jax.local_devices():
     print(f"  {d.id}: {d.device_kind}")
+  from sparsejax.train.mesh import make_mesh
+  try:
+    mesh = make_mesh(*mesh_sizes)
+  except ValueError as e:
+    print(f"mesh: {e}")
+    return 2
+  print(f"mesh: node x local = {mesh.shape['node']} x {mesh.shape['local']}"
+        + (f" (from {args.config})" if args.config else " (default: one node)"))
   return 0
 
 
@@ -99,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--no-progress", action="store_true", help="no progress bar")
   t.set_defaults(func=_train)
   i = sub.add_parser("info", help="devices, mesh and versions")
+  i.add_argument("--config", help="show the mesh this config would build")
   i.set_defaults(func=_info)
   args = parser.parse_args(argv)
   return args.func(args)

@@ -236,3 +236,13 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, monkeyp
   summary = train_and_evaluate(small_config(), str(tmp_path), progress=False)
   assert not summary["interrupted"] and summary["steps"] == 22
   assert [int(r["step"]) for r in read_csv(tmp_path / "train.csv")] == list(range(1, 23))
+
+
+def test_cli_info_shows_devices_versions_and_the_mesh(capsys):
+  from sparsejax import cli
+  assert cli.main(["info", "--config", os.path.join(ROOT, "configs", "quickstart.py")]) == 0
+  out = capsys.readouterr().out
+  assert "jax" in out and "devices: 8" in out and "node x local = 2 x 4" in out
+  assert cli.main(["info", "--config", os.path.join(ROOT, "configs",
+                                                    "dawnbench_resnet50.py")]) == 2
+  assert "16 x 8" in capsys.readouterr().out
