@@ -59,12 +59,9 @@ def optimizers() -> dict[str, tuple[Callable, optax.GradientTransformation]]:
   }
 
 
-def floor_fn(num_moments: int) -> Callable:
+def floor(g, moments, p):
   """One pass: reads grads, params and each moment once; writes updates and each moment once."""
-  def floor(g, moments, p):
-    return g * 0.5 + p * 0.25, tuple(m * 0.75 for m in moments)
-  del num_moments
-  return floor
+  return g * 0.5 + p * 0.25, tuple(m * 0.75 for m in moments)
 
 
 def time_update(fn: Callable, g, state, p, runs: int) -> dict[str, float]:
@@ -110,7 +107,7 @@ def bench_tree(name: str, shapes, names: list[str], runs: int) -> list[dict]:
       del state
     fused_state = cases["flat"][0].init(flat_p)
     moments = tuple(x for x in jax.tree.leaves(fused_state) if x.ndim == 1 and x.size)
-    res = time_update(floor_fn(len(moments)), flat_g, moments, flat_p, runs)
+    res = time_update(floor, flat_g, moments, flat_p, runs)
     rows.append({"tree": name, "optimizer": opt, "impl": "floor", "values": n, **res})
     print(f"{name:17s} {opt:6s} {'floor':7s} {res['median_ms']:8.1f} ms  kernels={res['kernels']}",
           flush=True)

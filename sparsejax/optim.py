@@ -354,11 +354,13 @@ def _adam_step(plan: _Plan, mu, nu, count_inc, b1, b2, eps, eps_root):
   return u
 
 
-def _adam_direction(plan: _Plan, g, mu, nu, count_inc, b1, b2, eps, eps_root):
-  """New moments and optax.scale_by_adam's direction, all float32[rows, align]."""
-  mu = (1.0 - b1) * g + b1 * mu
-  nu = (1.0 - b2) * (g * g) + b2 * nu
-  return mu, nu, _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root)
+def _adam_moments(g, mu, nu, b1: float, b2: float):
+  """optax.scale_by_adam's moment updates, float32[rows, align]."""
+  return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * (g * g) + b2 * nu
+
+
+def _adam_init(plan: _Plan) -> FusedAdamState:
+  return FusedAdamState(jnp.zeros([], jnp.int32), _zeros(plan), _zeros(plan))
 
 
 def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
@@ -382,19 +384,16 @@ def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float =
   def plan_for(lay: FlatLayout) -> _Plan:
     return _make_plan(lay, weight_decay, mask)
 
-  def init_flat(plan: _Plan) -> FusedAdamState:
-    return FusedAdamState(jnp.zeros([], jnp.int32), _zeros(plan), _zeros(plan))
-
   def update_flat(plan, g, state, p):
     lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
-    mu, nu, u = _adam_direction(plan, g, plan.rows(state.mu), plan.rows(state.nu), count_inc,
-                                b1, b2, eps, eps_root)
+    mu, nu = _adam_moments(g, plan.rows(state.mu), plan.rows(state.nu), b1, b2)
+    u = _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root)
     if decayed:
       u = u + _decay(plan) * p
     return -lr * u, FusedAdamState(count_inc, mu.reshape(-1), nu.reshape(-1))
 
-  return _make("fused_adamw", init_flat, update_flat, plan_for, layout, needs_params=decayed)
+  return _make("fused_adamw", _adam_init, update_flat, plan_for, layout, needs_params=decayed)
 
 
 def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
@@ -417,16 +416,11 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
   def plan_for(lay: FlatLayout) -> _Plan:
     return _make_plan(lay, weight_decay, mask)
 
-  def init_flat(plan: _Plan) -> FusedAdamState:
-    return FusedAdamState(jnp.zeros([], jnp.int32), _zeros(plan), _zeros(plan))
-
   def update_flat(plan, g, state, p):
     lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
     decay = _decay(plan)
-
-    mu, nu, _ = _adam_direction(plan, g, plan.rows(state.mu), plan.rows(state.nu), count_inc,
-                                b1, b2, eps, eps_root)
+    mu, nu = _adam_moments(g, plan.rows(state.mu), plan.rows(state.nu), b1, b2)
 
     def direction(mu, nu, p):
       return _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root) + decay * p
@@ -440,5 +434,5 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     u = direction(mu, nu, p)
     return u * (ratio * -lr), FusedAdamState(count_inc, mu.reshape(-1), nu.reshape(-1))
 
-  return _make("fused_lamb", init_flat, update_flat, plan_for, layout, needs_params=True)
+  return _make("fused_lamb", _adam_init, update_flat, plan_for, layout, needs_params=True)
 

@@ -8,12 +8,17 @@ import numpy as np
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_shard_map_example_trains():
+def run_first_python_block(heading: str) -> dict:
+  """Executes the first ```python block after `heading` in the README; returns its namespace."""
   text = README.read_text()
-  section = text[text.index("## Using `topk_allreduce`"):]
-  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
   ns: dict = {}
   exec(compile(code, "README.md", "exec"), ns)
+  return ns
+
+
+def test_readme_shard_map_example_trains():
+  ns = run_first_python_block("## Using `topk_allreduce`")
   losses = ns["losses"]
   assert losses.shape == (8,)
   np.testing.assert_allclose(losses, losses[0])  # identical on every worker
@@ -23,11 +28,7 @@ def test_readme_shard_map_example_trains():
 
 
 def test_readme_fused_optimizer_example_matches_optax():
-  text = README.read_text()
-  section = text[text.index("## Fused optimizers"):]
-  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-  ns: dict = {}
-  exec(compile(code, "README.md", "exec"), ns)
+  ns = run_first_python_block("## Fused optimizers")
   diff = ns["jax"].tree.leaves(ns["jax"].tree.map(
       lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
       ns["layout"].unravel(ns["flat_updates"]), ns["want"]))

@@ -100,7 +100,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
     state = trainer.place(ckpt.restore(start, state))
   train_step = trainer.train_step_fn(state)
   eval_step = trainer.eval_step_fn(state)
-  sync = trainer.sync_batch_stats_fn(state)
+  sync = trainer.sync_batch_stats_fn()
   writer = MetricsWriter(workdir, resume_step=start)
   evals: list[tuple[int, dict[str, float]]] = []
   summary_path = os.path.join(workdir, "summary.json")

@@ -261,7 +261,7 @@ class Trainer:
                        check_vma=False)
     return jax.jit(fn)
 
-  def sync_batch_stats_fn(self, state_like: TrainState) -> Callable:
+  def sync_batch_stats_fn(self) -> Callable:
     """`state -> state` with every worker's BatchNorm running statistics replaced by their mean."""
     def body(stats):
       return _stack(jax.lax.pmean(_first(stats), WORKERS))
@@ -273,5 +273,4 @@ class Trainer:
       if not jax.tree.leaves(state.batch_stats):
         return state
       return state._replace(batch_stats=fn(state.batch_stats))
-    del state_like
     return sync
