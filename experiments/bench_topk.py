@@ -1,6 +1,7 @@
 """Top-k selection speed and recall on this machine: MSTopK vs lax.top_k and friends.
 
-  python experiments/bench_topk.py [--quick] [--runs 7] [--out experiments/results/bench_topk.json]
+  python experiments/bench_topk.py [--quick] [--runs 7] [--sizes 1000000,25557032,110000000]
+                                   [--out experiments/results/bench_topk.json]
 
 For each size (1M, 25,557,032 = ResNet-50, 110M = BERT-base), density (0.01, 0.001) and input
 (Gaussian; heavy-tailed: Student-t(2) with most of the mass in a few hot blocks), times `mstopk`,
@@ -9,7 +10,7 @@ For each size (1M, 25,557,032 = ResNet-50, 110M = BERT-base), density (0.01, 0.0
 `exact_topk`. The floor is one fused pass over the array, `jnp.sum(jnp.abs(x))`.
 A second section compares ways to turn a known threshold pair into exactly k indices ("compaction"):
 a cumsum-based `nonzero` over the whole array, row-wise partial top-k, and MSTopK's block filter.
-Writes JSON (every measurement) and prints a table of ratios to lax.top_k.
+Writes JSON (every measurement) and a markdown table of ratios to lax.top_k next to it.
 """
 
 from __future__ import annotations
@@ -89,9 +90,18 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="1M and 2M only, 3 runs (a smoke check)")
   ap.add_argument("--runs", type=int, default=7)
+  ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                  help="comma-separated array sizes; the compaction section uses the second")
   ap.add_argument("--out", default="experiments/results/bench_topk.json")
   args = ap.parse_args(argv)
-  sizes = (1_000_000, 2_000_003) if args.quick else SIZES
+  try:
+    sizes = tuple(int(v) for v in args.sizes.split(","))
+  except ValueError:
+    ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+  if args.quick:
+    sizes = (1_000_000, 2_000_003)
+  if not sizes or min(sizes) < 1000:
+    ap.error(f"--sizes must each be >= 1000, got {args.sizes!r}")
   runs = 3 if args.quick else args.runs
   if runs < 1:
     ap.error(f"--runs must be >= 1, got {runs}")
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
       del x
 
   # Compaction: a known threshold pair -> exactly k indices, three ways.
-  n = sizes[1]
+  n = sizes[min(1, len(sizes) - 1)]
   k = round(0.001 * n)
   host = gaussian(rng, n)
   a = np.abs(host)
@@ -150,7 +160,7 @@ def main(argv=None) -> int:
 
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
           "machine": platform.machine(), "python": sys.version.split()[0], "runs": runs,
-          "command": "python experiments/bench_topk.py" + (" --quick" if args.quick else "")}
+          "command": " ".join(["python", "experiments/bench_topk.py"] + sys.argv[1:])}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   tmp = args.out + ".tmp"
   with open(tmp, "w") as f:
@@ -158,20 +168,28 @@ def main(argv=None) -> int:
               indent=1)
   os.replace(tmp, args.out)
 
-  print("\n| n | input | density | floor ms | mstopk ms | vs lax.top_k | x floor | recall |"
-        " sampled vs top_k (recall) | approx_max_k vs top_k (recall) |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  lines = [f"{jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}", "",
+           "| n | input | density | floor ms | mstopk ms | vs lax.top_k | x floor | recall |"
+           " sampled vs top_k (recall) | approx_max_k vs top_k (recall) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     m = r["methods"]
-    print(f"| {r['n']:,} | {r['input']} | {r['density']} | {r['floor_s']*1e3:.1f} | "
-          f"{m['mstopk']['median_s']*1e3:.1f} | {m['mstopk']['speedup_vs_lax_top_k']:.2f}x | "
-          f"{m['mstopk']['ratio_to_floor']:.1f} | {m['mstopk']['recall']:.4f} | "
-          f"{m['sampled_topk']['speedup_vs_lax_top_k']:.2f}x ({m['sampled_topk']['recall']:.3f}) | "
-          f"{m['approx_max_k']['speedup_vs_lax_top_k']:.2f}x ({m['approx_max_k']['recall']:.3f}) |")
-  print(f"\nCompaction at n={n:,}, k={k:,} (threshold known):")
-  print("| method | median ms | exact count | recall |\n|---|---|---|---|")
+    lines.append(
+        f"| {r['n']:,} | {r['input']} | {r['density']} | {r['floor_s']*1e3:.2f} | "
+        f"{m['mstopk']['median_s']*1e3:.2f} | {m['mstopk']['speedup_vs_lax_top_k']:.2f}x | "
+        f"{m['mstopk']['ratio_to_floor']:.1f} | {m['mstopk']['recall']:.4f} | "
+        f"{m['sampled_topk']['speedup_vs_lax_top_k']:.2f}x ({m['sampled_topk']['recall']:.3f}) | "
+        f"{m['approx_max_k']['speedup_vs_lax_top_k']:.2f}x ({m['approx_max_k']['recall']:.3f}) |")
+  lines += ["", f"Compaction at n={n:,}, k={k:,} (threshold known):", "",
+            "| method | median ms | exact count | recall |", "|---|---|---|---|"]
   for name, c in compaction.items():
-    print(f"| {name} | {c['median_s']*1e3:.1f} | {c['exact_count']} | {c['recall']:.4f} |")
+    lines.append(f"| {name} | {c['median_s']*1e3:.2f} | {c['exact_count']} | {c['recall']:.4f} |")
+  text = "\n".join(lines)
+  print(text)
+  md = os.path.splitext(args.out)[0] + ".md"
+  with open(md + ".tmp", "w") as f:
+    f.write(text + "\n")
+  os.replace(md + ".tmp", md)
   print(f"\nwrote {args.out}")
   return 0
 
