@@ -1,6 +1,12 @@
-"""Datasets and batching. This floor holds the small in-memory sets the quickstart needs; the grain
-pipeline with the tiered cache and ImageNet follows."""
+"""Datasets and input pipelines: small in-memory sets, grain sources, and the tiered cache.
 
+`TieredCache` (memory, local disk, remote) and `RemoteSource` wrap any random-access source in
+grain's protocol; see `sparsejax.data.cache`.
+"""
+
+from sparsejax.data import records
+from sparsejax.data.cache import RemoteSource, TieredCache
 from sparsejax.data.small import ArrayDataset, EpochBatcher, digits, eval_batches, load, resize
 
-__all__ = ["ArrayDataset", "EpochBatcher", "digits", "eval_batches", "load", "resize"]
+__all__ = ["ArrayDataset", "EpochBatcher", "RemoteSource", "TieredCache", "digits", "records",
+           "eval_batches", "load", "resize"]

@@ -1,0 +1,377 @@
+"""TieredCache, RemoteSource and the record format: tiers, warm restarts, checksums, budgets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import subprocess
+import time
+import warnings
+
+import grain
+import numpy as np
+import pytest
+
+from sparsejax.data import RemoteSource, TieredCache, records
+from sparsejax.data.loader import prefetch
+
+
+class Source:
+  """A deterministic source of dict records of varied sizes (a stand-in for encoded images)."""
+
+  def __init__(self, n: int, seed: int = 0):
+    self.n, self.seed = n, seed
+    self.reads = 0
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    self.reads += 1
+    rng = np.random.default_rng((self.seed, i))
+    size = int(rng.integers(50, 700))
+    return {"image": rng.integers(0, 256, size, dtype=np.uint8).tobytes(), "label": int(i),
+            "scale": np.float32(rng.standard_normal())}
+
+  def __repr__(self):
+    return f"Source(n={self.n}, seed={self.seed})"
+
+
+def same(a, b) -> bool:
+  return (a["image"] == b["image"] and a["label"] == b["label"]
+          and np.asarray(a["scale"]) == np.asarray(b["scale"]))
+
+
+def disk_files(root) -> dict[str, int]:
+  out = {}
+  for d, _, files in os.walk(root):
+    for f in files:
+      if f.endswith(".rec"):
+        out[os.path.join(d, f)] = os.path.getsize(os.path.join(d, f))
+  return out
+
+
+# ----------------------------------------------------------------------------- the record format
+
+def test_records_round_trip_values_of_every_allowed_kind():
+  rng = np.random.default_rng(3)
+  value = {
+      "bytes": rng.bytes(37), "empty": b"", "text": "héllo\n", "int": -7, "big": 2**62,
+      "float": 0.1, "nan": float("nan"), "inf": float("-inf"), "none": None, "flag": True,
+      "f16": rng.standard_normal((3, 5, 7)).astype(np.float16),
+      "u8": rng.integers(0, 255, (13, 11, 3), dtype=np.uint8), "bools": rng.random(9) > 0.5,
+      "c64": (rng.standard_normal(4) + 1j).astype(np.complex64), "scalar": np.int16(-3),
+      "zero_d": np.array(2.5), "empty_arr": np.zeros((0, 3), np.int64),
+      "nested": [(1, "a"), {"x": np.arange(5, dtype=">i4")}],
+  }
+  out = records.decode(records.encode(value))
+  assert out.keys() == value.keys()
+  for k, v in value.items():
+    if isinstance(v, np.ndarray | np.generic):
+      assert out[k].dtype == np.asarray(v).dtype and out[k].shape == np.shape(v), k
+      np.testing.assert_array_equal(out[k], v)
+    elif isinstance(v, float) and np.isnan(v):
+      assert np.isnan(out[k])
+    elif k != "nested":
+      assert out[k] == v and type(out[k]) is type(v), k
+  assert out["nested"][0] == (1, "a") and isinstance(out["nested"][0], tuple)
+  np.testing.assert_array_equal(out["nested"][1]["x"], np.arange(5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([object()]), "dtype object"),
+    ({1: 2}, "key 1"),
+    ({"a": {1, 2}}, "type set"),
+])
+def test_records_refuse_what_they_cannot_store_safely(bad, match):
+  with pytest.raises(TypeError, match=match):
+    records.encode(bad)
+
+
+def test_records_detect_every_truncation_and_any_flipped_byte():
+  blob = records.encode({"image": b"\xff\xd8" * 40, "label": 3})
+  for cut in range(len(blob)):
+    with pytest.raises(records.CorruptRecord):
+      records.decode(blob[:cut])
+  rng = np.random.default_rng(0)
+  for pos in rng.choice(len(blob), 25, replace=False):
+    altered = bytearray(blob)
+    altered[pos] ^= 1 << int(rng.integers(8))
+    with pytest.raises(records.CorruptRecord):
+      records.decode(bytes(altered))
+
+
+def test_records_never_unpickle_even_with_a_valid_checksum():
+  """A cache file written by someone else: a header asking for an object array is refused."""
+  import hashlib
+  import json
+  import struct
+  header = json.dumps({"t": "nd", "dtype": "|O", "shape": [1], "o": 0, "n": 8}).encode()
+  body = struct.pack("<I", len(header)) + header + b"\0" * 8
+  blob = records.MAGIC + body + hashlib.blake2b(body, digest_size=16).digest()
+  with pytest.raises(records.CorruptRecord, match="not allowed"):
+    records.decode(blob)
+
+
+# ----------------------------------------------------------------------------- tiers and counters
+
+def test_hits_and_misses_per_tier(tmp_path):
+  src = Source(23)
+  cache = TieredCache(src, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  assert len(cache) == 23 and repr(cache) == "TieredCache(Source(n=23, seed=0))"
+  for i in range(23):
+    assert same(cache[i], Source(23)[i])
+  s = cache.stats()
+  assert s["memory"]["hits"] == 0 and s["memory"]["misses"] == 23
+  assert s["disk"]["hits"] == 0 and s["disk"]["misses"] == 23
+  assert s["source"]["reads"] == 23 and src.reads == 23
+  assert s["disk"]["bytes"] == s["disk"]["bytes_written"] == sum(disk_files(tmp_path).values())
+  for i in reversed(range(23)):
+    assert same(cache[i], Source(23)[i])
+  s = cache.stats()
+  assert s["memory"]["hits"] == 23 and s["source"]["reads"] == 23 and src.reads == 23
+  assert s["memory"]["bytes"] == sum(records.nbytes_of(Source(23)[i]) for i in range(23))
+
+
+def test_a_restart_finds_the_disk_tier_warm(tmp_path):
+  first = TieredCache(Source(17), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(17):
+    first[i]
+  del first
+  src = Source(17)
+  again = TieredCache(src, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(17):
+    assert same(again[i], Source(17)[i])
+  s = again.stats()
+  assert src.reads == 0 and s["disk"]["hits"] == 17 and s["source"]["reads"] == 0
+  assert s["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+
+
+def test_a_damaged_disk_record_is_detected_fetched_again_and_counted(tmp_path):
+  warm = TieredCache(Source(9), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(9):
+    warm[i]
+  files = sorted(disk_files(tmp_path))
+  truncated, altered = files[2], files[5]
+  with open(truncated, "r+b") as f:
+    f.truncate(os.path.getsize(truncated) - 3)
+  with open(altered, "r+b") as f:
+    f.seek(40)
+    byte = f.read(1)
+    f.seek(40)
+    f.write(bytes([byte[0] ^ 0x10]))
+  src = Source(9)
+  cache = TieredCache(src, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(9):
+    assert same(cache[i], Source(9)[i]), i
+  s = cache.stats()
+  assert s["disk"]["corrupt"] == 2 and s["source"]["reads"] == 2 and src.reads == 2
+  assert s["disk"]["hits"] == 7
+  # Fetched again and rewritten whole: a third process reads everything from disk.
+  third = TieredCache(Source(9), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(9):
+    third[i]
+  assert third.stats()["disk"]["hits"] == 9 and third.stats()["disk"]["corrupt"] == 0
+  assert third.stats()["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+
+
+def test_eviction_keeps_each_tier_within_its_budget(tmp_path):
+  mem_budget, disk_budget = 3000, 5000
+  src = Source(60)
+  cache = TieredCache(src, memory_bytes=mem_budget, disk_dir=tmp_path, disk_bytes=disk_budget)
+  rng = np.random.default_rng(1)
+  for i in rng.integers(0, 60, 400):
+    assert same(cache[int(i)], Source(60)[int(i)])
+    s = cache.stats()
+    assert 0 < s["memory"]["bytes"] <= mem_budget
+    assert 0 < s["disk"]["bytes"] <= disk_budget
+  assert s["memory"]["evictions"] > 0 and s["disk"]["evictions"] > 0
+  assert s["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+  assert s["memory"]["hits"] + s["memory"]["misses"] == 400
+  assert s["disk"]["hits"] + s["disk"]["misses"] == s["memory"]["misses"]
+
+
+def test_two_sources_never_share_entries(tmp_path):
+  a = TieredCache(Source(10, seed=1), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  b = TieredCache(Source(10, seed=2), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(10):
+    assert same(a[i], Source(10, seed=1)[i]) and same(b[i], Source(10, seed=2)[i])
+  b2 = TieredCache(Source(10, seed=2), memory_bytes=1 << 20, disk_dir=tmp_path,
+                   disk_bytes=1 << 20)
+  for i in range(10):
+    assert same(b2[i], Source(10, seed=2)[i])
+  assert b2.stats()["disk"]["hits"] == 10 and len(disk_files(tmp_path)) == 20
+
+
+def test_records_from_memory_are_read_only():
+  class Arrays(Source):
+    def __getitem__(self, i):
+      return {"x": np.arange(4) + i}
+
+  cache = TieredCache(Arrays(3), memory_bytes=1 << 20)
+  x = cache[1]["x"]
+  with pytest.raises(ValueError, match="read-only"):
+    x[0] = 99
+  np.testing.assert_array_equal(cache[1]["x"], [1, 2, 3, 4])
+
+
+def test_thread_safe_under_concurrent_readers(tmp_path):
+  cache = TieredCache(Source(50), memory_bytes=8000, disk_dir=tmp_path, disk_bytes=12000)
+  ref = [Source(50)[i] for i in range(50)]
+  idx = np.random.default_rng(2).integers(0, 50, 600)
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    got = list(pool.map(lambda i: cache[int(i)], idx))
+  assert all(same(g, ref[int(i)]) for g, i in zip(got, idx))
+  s = cache.stats()
+  assert s["memory"]["hits"] + s["memory"]["misses"] == 600
+  assert s["memory"]["bytes"] <= 8000 and s["disk"]["bytes"] <= 12000
+  assert s["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+
+
+def test_pickled_copies_share_counters_and_disk(tmp_path):
+  cache = TieredCache(Source(8), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(4):
+    cache[i]
+  copy = pickle.loads(pickle.dumps(cache))
+  for i in range(8):
+    assert same(copy[i], Source(8)[i])
+  s = cache.stats()  # the original sees the copy's reads
+  assert s["disk"]["hits"] == 4 and s["source"]["reads"] == 8
+
+
+def test_works_with_grain_multiprocess_workers(tmp_path):
+  n = 24
+  cache = TieredCache(Source(n), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
+
+  def run():
+    return sorted(prefetch(grain.MapDataset.source(cache).map(lambda r: r["label"]), workers=2))
+
+  assert run() == list(range(n))
+  s = cache.stats()  # summed over the worker processes
+  assert s["source"]["reads"] == n and s["disk"]["misses"] == n
+  assert run() == list(range(n))  # fresh workers: their memory is empty, the disk is warm
+  s = cache.stats()
+  assert s["source"]["reads"] == n and s["disk"]["hits"] == n
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"memory_bytes": 0}, "memory_bytes must be a positive number of bytes, got 0"),
+    ({"memory_bytes": -5}, "got -5"),
+    ({"memory_bytes": 100, "disk_dir": "/tmp/x", "disk_bytes": 0}, "disk_bytes must be"),
+    ({"memory_bytes": 100, "disk_dir": "/tmp/x"}, "disk_bytes must be"),
+    ({"memory_bytes": 100, "disk_bytes": 10}, "without disk_dir"),
+])
+def test_bad_budgets_are_clear_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    TieredCache(Source(3), **kwargs)
+
+
+def test_index_out_of_range_or_of_the_wrong_type():
+  cache = TieredCache(Source(5), memory_bytes=1000)
+  with pytest.raises(IndexError, match=r"record index 5 out of range .* 5 records"):
+    cache[5]
+  with pytest.raises(IndexError, match="-6"):
+    cache[-6]
+  with pytest.raises(TypeError, match="must be an int, got str"):
+    cache["1"]
+  assert same(cache[-1], Source(5)[4])
+  with pytest.raises(IndexError, match="out of range"):
+    RemoteSource(Source(5), latency_s=0, bandwidth_bytes_per_s=1e9)[7]
+
+
+def test_an_unstable_repr_needs_a_key(tmp_path):
+  class NoRepr:
+    def __len__(self):
+      return 2
+
+    def __getitem__(self, i):
+      return b"x"
+
+  with pytest.raises(ValueError, match="repr is not stable.*key="):
+    TieredCache(NoRepr(), memory_bytes=100, disk_dir=tmp_path, disk_bytes=100)
+  assert TieredCache(NoRepr(), memory_bytes=100, key="noreprs-v1")[1] == b"x"
+
+
+def test_an_unwritable_disk_directory_warns_once_then_serves_from_memory(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache = TieredCache(Source(6), memory_bytes=1 << 20, disk_dir=blocker / "cache",
+                        disk_bytes=1 << 20)
+    for i in list(range(6)) * 2:
+      assert same(cache[i], Source(6)[i])
+  msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert len(msgs) == 1 and "memory tier only" in msgs[0] and "a_file" in msgs[0]
+  assert cache.stats()["memory"]["hits"] == 6
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+  """A real 64 KiB tmpfs (needs root; CI runs as root)."""
+  mnt = tmp_path / "tiny"
+  mnt.mkdir()
+  res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+  if res.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+  yield mnt
+  subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+def test_a_disk_that_fills_up_stops_writing_and_keeps_serving(tiny_filesystem):
+  class Big(Source):
+    def __getitem__(self, i):
+      return {"blob": bytes([i % 256]) * 9000, "label": i}
+
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache = TieredCache(Big(20), memory_bytes=20000, disk_dir=tiny_filesystem,
+                        disk_bytes=10 << 20)
+    for _ in range(2):
+      for i in range(20):
+        r = cache[i]
+        assert r["blob"] == bytes([i % 256]) * 9000 and r["label"] == i
+  msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert len(msgs) == 1 and "stops writing" in msgs[0]
+  s = cache.stats()
+  assert s["disk"]["write_errors"] == 1 and 0 < s["disk"]["bytes"] < 64 * 1024
+  assert s["disk"]["hits"] > 0  # what made it to disk is still served
+  assert s["disk"]["bytes"] == sum(disk_files(tiny_filesystem).values())
+  cache.close()
+
+
+# ----------------------------------------------------------------------------- RemoteSource
+
+def test_remote_source_waits_latency_and_shares_its_bandwidth():
+  src = Source(12)
+  nbytes = sum(records.nbytes_of(src[i]) for i in range(12))
+  remote = RemoteSource(Source(12), latency_s=0.02, bandwidth_bytes_per_s=nbytes / 0.3)
+  assert repr(remote).startswith("RemoteSource(Source(n=12, seed=0), latency_s=0.02")
+  t0 = time.perf_counter()
+  for i in range(4):
+    assert same(remote[i], src[i])
+  serial = time.perf_counter() - t0
+  assert serial >= 4 * 0.02  # each read waits its latency
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    list(pool.map(remote.__getitem__, range(12)))
+  parallel = time.perf_counter() - t0
+  assert parallel >= 0.3 * 0.99  # one shared link: all the bytes at the given bandwidth
+  assert remote.stats() == {"reads": 16, "bytes": nbytes + sum(
+      records.nbytes_of(src[i]) for i in range(4))}
+  copy = pickle.loads(pickle.dumps(remote))
+  copy[0]
+  assert remote.stats()["reads"] == 17
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"latency_s": -1, "bandwidth_bytes_per_s": 1}, "latency_s must be >= 0"),
+    ({"latency_s": 0, "bandwidth_bytes_per_s": 0}, "bandwidth_bytes_per_s must be > 0, got 0"),
+])
+def test_remote_source_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    RemoteSource(Source(2), **kwargs)
