@@ -187,7 +187,7 @@ def test_workdir_that_is_not_writable(tmp_path):
 
 
 def test_non_finite_gradients_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
-  def poisoned(seed=0):
+  def poisoned(seed, path):
     train, test = data_lib.digits(seed)
     images = train.images.copy()
     images[:] = np.nan  # every batch: non-finite gradients on every worker

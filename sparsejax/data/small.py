@@ -43,14 +43,28 @@ def digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, Arr
           ArrayDataset(images[test], labels[test], 10))
 
 
-DATASETS = {"digits": digits}
+def _fashion_mnist(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
+  from sparsejax.data import idx
+  return idx.idx_dataset(path or idx.FASHION_MNIST_DIR, seed)
 
 
-def load(name: str, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
-  """(train, test) of a named small dataset."""
+def _idx(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
+  from sparsejax.data import idx
+  if not path:
+    raise ValueError("dataset 'idx' needs data.path: a directory of MNIST-format IDX files")
+  return idx.idx_dataset(path, seed)
+
+
+# name -> loader(seed, path) -> (train, test); `path` is the config's data.path ("" = default).
+DATASETS = {"digits": lambda seed, path: digits(seed), "fashion_mnist": _fashion_mnist,
+            "idx": _idx}
+
+
+def load(name: str, seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayDataset]:
+  """(train, test) of a named in-memory dataset (see DATASETS); `path` where it needs one."""
   if name not in DATASETS:
     raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
-  return DATASETS[name](seed)
+  return DATASETS[name](seed, path)
 
 
 class EpochBatcher:

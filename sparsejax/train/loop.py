@@ -86,7 +86,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   if config.batch_size % workers:
     raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
                      f"{workers} devices of the mesh")
-  train, test = data_lib.load(config.data.name, seed=config.seed)
+  train, test = data_lib.load(config.data.name, seed=config.seed, path=config.data.path)
   batcher = data_lib.EpochBatcher(train, config.batch_size, config.seed)
   steps_per_epoch = batcher.steps_per_epoch
   total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
