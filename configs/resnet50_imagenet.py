@@ -8,8 +8,7 @@ Recipe: global batch 1024, SGD with Nesterov momentum 0.9, learning rate 0.1 per
 (0.4) after a 5-epoch linear warm-up, cosine decay, weight decay 5e-5 on kernels only, label
 smoothing 0.1, 224 px. Compression: HiTopKComm at density 0.01 after a DGC warm-up from 0.25
 over 4 epochs. Expected: ~76% top-1 (the dense recipe's published result; not yet run here).
-Needs the ImageNet input pipeline (TFDS `imagenet2012`, the data-pipeline issue); until it lands
-`sparsejax train` stops with "unknown dataset 'imagenet2012'".
+Data: `sparsejax prepare imagenet --manual-dir DIR --data-dir /path/to/tensorflow_datasets` once.
 """
 
 from sparsejax.train.config import default_config

@@ -104,6 +104,24 @@ def _info(args: argparse.Namespace) -> int:
   return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+  from sparsejax.data import imagenet
+  try:
+    if args.fake:
+      info = imagenet.fake_manual_dir(args.manual_dir, classes=args.fake_classes,
+                                      per_class=args.fake_per_class, val=args.fake_val)
+      print(f"wrote a fake manual download to {args.manual_dir}: {info['train']} train, "
+            f"{info['val']} validation images ({len(info['corrupt'])} corrupt)")
+    builder = imagenet.prepare(args.manual_dir, args.data_dir)
+  except (FileNotFoundError, ModuleNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  splits = {k: v.num_examples for k, v in builder.info.splits.items()}
+  print(f"{imagenet.NAME} prepared under {args.data_dir}: {splits}; train with "
+        f"--set data.path={args.data_dir}")
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
   i = sub.add_parser("info", help="devices, mesh and versions")
   i.add_argument("--config", help="show the mesh this config would build")
   i.set_defaults(func=_info)
+  p = sub.add_parser("prepare", help="prepare a dataset (ImageNet via TFDS) for training")
+  p.add_argument("dataset", choices=["imagenet"])
+  p.add_argument("--manual-dir", required=True,
+                 help="holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar")
+  p.add_argument("--data-dir", required=True, help="the TFDS data directory to write")
+  p.add_argument("--fake", action="store_true",
+                 help="first write a small generated manual download (for smoke runs)")
+  p.add_argument("--fake-classes", type=int, default=4)
+  p.add_argument("--fake-per-class", type=int, default=8)
+  p.add_argument("--fake-val", type=int, default=16)
+  p.set_defaults(func=_prepare)
   args = parser.parse_args(argv)
   return args.func(args)
 

@@ -50,3 +50,22 @@ def run_workers(mesh: Mesh, fn, *stacked):
 def rng(request):
   """A fresh generator per test, seeded from the test's name (reproducible, not shared)."""
   return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def fake_imagenet(tmp_path_factory):
+  """A generated ImageNet manual download (4 classes x 6 real JPEGs of varied sizes, one grey,
+  one corrupt; 8 validation images) prepared by TFDS's real imagenet2012 builder into ArrayRecord.
+  Returns (data_dir, info from fake_manual_dir, root)."""
+  try:
+    import tensorflow  # noqa: F401
+  except ModuleNotFoundError:
+    if os.environ.get("CI"):
+      pytest.fail("CI must install the prepare extra (tensorflow-cpu) for the ImageNet tests")
+    pytest.skip("pip install 'sparsejax[prepare]' to prepare ImageNet with TFDS")
+  from sparsejax.data import imagenet
+  root = tmp_path_factory.mktemp("imagenet")
+  info = imagenet.fake_manual_dir(str(root / "manual"), classes=4, per_class=6, val=8, corrupt=1,
+                                  min_side=40, max_side=150, seed=1)
+  imagenet.prepare(str(root / "manual"), str(root / "data"))
+  return str(root / "data"), info, root

@@ -26,7 +26,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict({"name": "resnet20", "dtype": "float32", "num_filters": 0})
   # resize_schedule: progressive resizing, ((first_epoch, image_size), ...) sorted by epoch;
   # () keeps the dataset's own size.
-  c.data = ml_collections.ConfigDict({"name": "digits", "path": "", "resize_schedule": ()})
+  # path: IDX directory (idx, fashion_mnist) or TFDS data directory (imagenet2012).
+  # The ImageNet pipeline: cache_dir ("" = no disk tier) and byte budgets per cache point,
+  # grain worker processes and reader threads, eval split, and decoded_max_size: resolution
+  # stages of at most this size read images pre-decoded at 1.25x their size (no JPEG decoding).
+  c.data = ml_collections.ConfigDict({
+      "name": "digits", "path": "", "resize_schedule": (),
+      "cache_dir": "", "memory_cache_bytes": 1 << 30, "disk_cache_bytes": 100 << 30,
+      "workers": 0, "threads": 8, "eval_split": "validation", "decoded_max_size": 160,
+  })
   # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
   # that many virtual CPU devices when only a CPU is present.
   c.mesh = ml_collections.ConfigDict({"nodes": 1, "local": -1, "num_devices": 0})
@@ -57,6 +65,11 @@ def default_config() -> ml_collections.ConfigDict:
       "warmup_density": 0.25,
   })
   c.log_every_steps = 10
+  # Time to accuracy (DAWNBench): the wall time at which eval metric `target_metric` (e.g.
+  # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked.
+  c.target_metric = ""
+  c.target_value = 0.0
+  c.eval_at_stage_boundaries = False  # also evaluate where a resize stage ends
   c.eval_every_steps = 0        # 0: only at the end
   c.checkpoint_every_steps = 0  # 0: only at the end (and on Ctrl-C)
   c.keep_checkpoints = 3
@@ -131,6 +144,11 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
   need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
+  need(c.data.memory_cache_bytes > 0, "data.memory_cache_bytes", "> 0")
+  need(c.data.disk_cache_bytes > 0, "data.disk_cache_bytes", "> 0")
+  need(c.data.workers >= 0, "data.workers", ">= 0")
+  need(c.data.threads >= 1, "data.threads", ">= 1")
+  need(c.data.decoded_max_size >= 0, "data.decoded_max_size", ">= 0")
   need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
   need(c.max_consecutive_skips >= 1, "max_consecutive_skips", ">= 1")
   stages = c.data.resize_schedule

@@ -55,12 +55,10 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
       seed=config.seed)
 
 
-def _evaluate(trainer: step_lib.Trainer, eval_step, state, test, batch_size: int,
+def _evaluate(trainer: step_lib.Trainer, eval_step, state, data: data_lib.Inputs,
               size: int | None) -> dict[str, float]:
   totals: dict[str, float] = {}
-  for images, labels, weights in data_lib.eval_batches(test, batch_size):
-    if size is not None:
-      images = data_lib.resize(images, size)
+  for images, labels, weights in data.eval_batches(size):
     sums = jax.device_get(eval_step(state, *trainer.shard_batch(images, labels, weights)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
@@ -86,14 +84,14 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   if config.batch_size % workers:
     raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
                      f"{workers} devices of the mesh")
-  train, test = data_lib.load(config.data.name, seed=config.seed, path=config.data.path)
-  batcher = data_lib.EpochBatcher(train, config.batch_size, config.seed)
-  steps_per_epoch = batcher.steps_per_epoch
+  data = data_lib.open_inputs(config)
+  steps_per_epoch = data.steps_per_epoch
   total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
 
   # --- model, transforms, state
-  trainer = build_trainer(config, mesh, train.num_classes, steps_per_epoch, total_steps)
-  state = trainer.init(config.seed, train.images.shape[1:])
+  trainer = build_trainer(config, mesh, data.num_classes, steps_per_epoch, total_steps)
+  state = trainer.init(config.seed, data.example_shape(
+      schedules.image_size(config.data.resize_schedule, 0.0)))
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   start = ckpt.latest_step() or 0
   if start:
@@ -107,13 +105,24 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   previous = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
   bytes_sent = float(previous.get("bytes_sent", 0.0))
   skipped_steps = int(previous.get("skipped_steps", 0))
+  wall_before = float(previous.get("wall_time_s", 0.0))
+  time_to_target = previous.get("time_to_target")
+  stage_ends = ({round(start * steps_per_epoch) for start, _, _ in schedules.resize_stages(
+      config.data.resize_schedule, config.num_epochs)[1:]}
+      if config.eval_at_stage_boundaries else set())
 
   def evaluate(state, step):
+    nonlocal time_to_target
     state = sync(state)
-    size = schedules.image_size(config.data.resize_schedule, step / steps_per_epoch)
-    metrics = _evaluate(trainer, eval_step, state, test, config.batch_size, size)
+    # the size of the stage that just trained (at a stage's end, not the next stage's)
+    size = schedules.image_size(config.data.resize_schedule, max(0, step - 1) / steps_per_epoch)
+    metrics = _evaluate(trainer, eval_step, state, data, size)
     writer.write("eval", step, metrics)
     evals.append((step, metrics))
+    target = config.target_metric
+    if target and time_to_target is None and metrics.get(target, -np.inf) >= config.target_value:
+      time_to_target = {"metric": target, "value": metrics[target], "target": config.target_value,
+                        "step": step, "wall_time_s": wall_before + time.time() - t0}
     return state
 
   def save(state, step):
@@ -130,15 +139,14 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   interrupted = False
   try:
     for step in range(start, total_steps):
-      images, labels = batcher.batch(step)
+      # progressive resizing: the size comes from the schedule, each size compiles once
       size = schedules.image_size(config.data.resize_schedule, step / steps_per_epoch)
-      if size is not None:  # progressive resizing: each size compiles once
-        images = data_lib.resize(images, size)
+      images, labels = data.train_batch(step, size)
       state, metrics = train_step(state, *trainer.shard_batch(images, labels))
       pending.append(metrics)
       done = step + 1
       if done % config.log_every_steps == 0 or done == total_steps:
-        logged = _mean(pending)
+        logged = {**_mean(pending), **data.stats()}
         bytes_sent += logged["bytes_sent"] * len(pending)
         skipped_steps += int(logged["skipped"])
         pending = []
@@ -151,7 +159,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
               f"(max_consecutive_skips = {config.max_consecutive_skips}); stopping at step "
               f"{done}. The last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
       bar.update(1)
-      if config.eval_every_steps and done % config.eval_every_steps == 0 and done < total_steps:
+      if done < total_steps and ((config.eval_every_steps and done % config.eval_every_steps == 0)
+                                 or done in stage_ends):
         state = evaluate(state, done)
       if (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
           and done < total_steps):
@@ -179,7 +188,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   summary = {
       "config": config.to_dict(), "steps": int(step), "total_steps": total_steps,
       "interrupted": interrupted,
-      "wall_time_s": float(previous.get("wall_time_s", 0.0)) + time.time() - t0,
+      "wall_time_s": wall_before + time.time() - t0,
+      "time_to_target": time_to_target,
       "final_eval": evals[-1][1] if evals and not interrupted else None,
       "best_eval": best,
       "bytes_sent": bytes_sent, "skipped_steps": skipped_steps,

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
 from sparsejax.compress import TopKAllReduceState, topk_allreduce
+from sparsejax.data import images as image_ops
 from sparsejax.flat import FlatLayout
 from sparsejax.train.mesh import WORKERS
 
@@ -166,9 +167,24 @@ class Trainer:
                         is_leaf=lambda x: isinstance(x, P))
 
   def shard_batch(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
-    return tuple(jax.device_put(a, NamedSharding(self.mesh, P(WORKERS))) for a in arrays)
+    """Global arrays sharded over the workers from this process's part of the batch (all of it
+    when there is one process)."""
+    sharding = NamedSharding(self.mesh, P(WORKERS))
+    return tuple(jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), a)
+        for a in arrays)
 
   # ------------------------------------------------------------------ the steps
+
+  @staticmethod
+  def _normalize(inputs):
+    """uint8 images (the grain pipeline's batches) -> float32, per-channel mean 0 / std 1 with
+    the ImageNet statistics, on the device; anything else passes through."""
+    if isinstance(inputs, jax.Array) and inputs.dtype == jnp.uint8:
+      mean = jnp.asarray(image_ops.MEAN_RGB, jnp.float32)
+      std = jnp.asarray(image_ops.STDDEV_RGB, jnp.float32)
+      return (inputs.astype(jnp.float32) - mean) / std
+    return inputs
 
   @staticmethod
   def _mask(labels):
@@ -176,7 +192,8 @@ class Trainer:
     return (labels != 0).astype(jnp.float32) if labels.ndim > 1 else jnp.ones(labels.shape)
 
   def _loss(self, params, batch_stats, inputs, labels, rng):
-    logits, mutated = self.model.apply({"params": params, "batch_stats": batch_stats}, inputs,
+    logits, mutated = self.model.apply({"params": params, "batch_stats": batch_stats},
+                                       self._normalize(inputs),
                                        train=True, mutable=["batch_stats"],
                                        rngs={"dropout": rng})
     targets = optax.smooth_labels(jax.nn.one_hot(labels, self.num_classes), self.label_smoothing)
@@ -244,7 +261,7 @@ class Trainer:
     def body(state: TrainState, images, labels, weights):
       variables = {"params": layout.unravel(state.params),
                    "batch_stats": _first(state.batch_stats)}
-      logits = self.model.apply(variables, images, train=False)
+      logits = self.model.apply(variables, self._normalize(images), train=False)
       targets = jax.nn.one_hot(labels, self.num_classes)
       weights = self._mask(labels) * weights.reshape(weights.shape + (1,) * (labels.ndim - 1))
       sums = {"loss": jnp.sum(weights * optax.softmax_cross_entropy(logits, targets)),

@@ -1,0 +1,135 @@
+"""What the train loop reads: one interface over the in-memory sets and the ImageNet pipeline.
+
+  data = open_inputs(config)              # config.data names the set; batch sizes from config
+  data.train_batch(step, size)            # this process's share of global batch `step`
+  data.eval_batches(size)                 # (images, labels, weights), padded, this process's
+  data.stats()                            # input counters to log (cache tiers, corrupt records)
+
+Batches are a function of the step (see `EpochBatcher`, `ImagePipeline`): the checkpointed step
+is the iterator position.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from sparsejax.data import small
+from sparsejax.data.cache import TieredCache
+
+__all__ = ["Inputs", "InMemoryInputs", "ImageNetInputs", "open_inputs"]
+
+
+class Inputs(Protocol):
+  num_classes: int
+  steps_per_epoch: int
+
+  def example_shape(self, size: int | None) -> tuple[int, ...]: ...
+  def train_batch(self, step: int, size: int | None) -> tuple[np.ndarray, np.ndarray]: ...
+  def eval_batches(self, size: int | None
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
+  def stats(self) -> dict[str, float]: ...
+
+
+class InMemoryInputs:
+  """A small dataset held in memory (digits, Fashion-MNIST, any IDX directory)."""
+
+  def __init__(self, train: small.ArrayDataset, test: small.ArrayDataset, batch_size: int,
+               seed: int):
+    self.train, self.test, self.batch_size = train, test, batch_size
+    self.batcher = small.EpochBatcher(train, batch_size, seed)
+    self.num_classes = train.num_classes
+    self.steps_per_epoch = self.batcher.steps_per_epoch
+
+  def example_shape(self, size):
+    shape = self.train.images.shape[1:]
+    return shape if size is None else (size, size) + shape[2:]
+
+  def train_batch(self, step, size):
+    images, labels = self.batcher.batch(step)
+    return (images if size is None else small.resize(images, size)), labels
+
+  def eval_batches(self, size):
+    for images, labels, weights in small.eval_batches(self.test, self.batch_size):
+      yield (images if size is None else small.resize(images, size)), labels, weights
+
+  def stats(self):
+    return {}
+
+
+class ImageNetInputs:
+  """TFDS `imagenet2012` prepared under config.data.path, through the tiered cache (both cache
+  points) and the grain pipeline; `process_count()` processes each read their share."""
+
+  def __init__(self, data_cfg: Any, batch_size: int, seed: int):
+    import jax
+
+    from sparsejax.data import imagenet, pipeline
+    if not data_cfg.path:
+      raise ValueError("dataset 'imagenet2012' needs data.path: the TFDS data directory where "
+                       "`sparsejax prepare imagenet` wrote it")
+    count = jax.process_count()
+    if batch_size % count:
+      raise ValueError(f"global batch_size {batch_size} is not divisible by the {count} processes")
+    per_process = batch_size // count
+    path = os.path.abspath(data_cfg.path)
+    cache_dir = data_cfg.cache_dir or None
+    disk = data_cfg.disk_cache_bytes if cache_dir else None
+
+    def cached(src, key):
+      return TieredCache(src, memory_bytes=data_cfg.memory_cache_bytes, disk_dir=cache_dir,
+                         disk_bytes=disk, key=key)
+
+    raw = cached(imagenet.source(path, "train"), f"{imagenet.NAME}:{path}:train")
+    self._raw, self._decoded = raw, []
+
+    def decoded(src):
+      cache = cached(src, f"{imagenet.NAME}:{path}:train:decoded:{src.short_side}")
+      self._decoded.append(cache)
+      return cache
+
+    common = dict(process_index=jax.process_index(), process_count=count,
+                  workers=data_cfg.workers, threads=data_cfg.threads)
+    self.train = pipeline.ImagePipeline(raw, batch_size=per_process, seed=seed, train=True,
+                                        decoded_cache=decoded,
+                                        decoded_max_size=data_cfg.decoded_max_size, **common)
+    self.eval = pipeline.ImagePipeline(imagenet.source(path, data_cfg.eval_split),
+                                       batch_size=per_process, train=False, **common)
+    self.num_classes = imagenet.NUM_CLASSES
+    self.steps_per_epoch = self.train.steps_per_epoch
+
+  def example_shape(self, size):
+    return (size or 224, size or 224, 3)
+
+  def train_batch(self, step, size):
+    return self.train.batch(step, size or 224)
+
+  def eval_batches(self, size):
+    return self.eval.eval_batches(size or 224)
+
+  def stats(self):
+    """Examples made and corrupt records skipped; the counters of cache point 1 (raw JPEGs) and
+    of cache point 2 (decoded images, summed over the resolution stages): the same keys always."""
+    out = {f"input_{k}": float(v) for k, v in self.train.stats().items()}
+    raw = self._raw.stats()
+    decoded = {tier: dict.fromkeys(counters, 0) for tier, counters in raw.items()}
+    for cache in self._decoded:
+      for tier, counters in cache.stats().items():
+        for k, v in counters.items():
+          decoded[tier][k] += v
+    for name, stats in (("raw", raw), ("decoded", decoded)):
+      for tier, counters in stats.items():
+        for k, v in counters.items():
+          out[f"cache_{name}_{tier}_{k}"] = float(v)
+    return out
+
+
+def open_inputs(config: Any) -> Inputs:
+  """The inputs `config.data` names, batched by `config.batch_size` (global)."""
+  if config.data.name == "imagenet2012":
+    return ImageNetInputs(config.data, config.batch_size, config.seed)
+  train, test = small.load(config.data.name, seed=config.seed, path=config.data.path)
+  return InMemoryInputs(train, test, config.batch_size, config.seed)
