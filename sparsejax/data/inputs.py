@@ -27,7 +27,7 @@ class Inputs(Protocol):
   num_classes: int
   steps_per_epoch: int
 
-  def example_shape(self, size: int | None) -> tuple[int, ...]: ...
+  def example(self, size: int | None) -> np.ndarray: ...
   def train_batch(self, step: int, size: int | None) -> tuple[np.ndarray, np.ndarray]: ...
   def eval_batches(self, size: int | None
                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
@@ -44,9 +44,10 @@ class InMemoryInputs:
     self.num_classes = train.num_classes
     self.steps_per_epoch = self.batcher.steps_per_epoch
 
-  def example_shape(self, size):
+  def example(self, size):
+    """A batch of one input, as the model sees it (for initialisation)."""
     shape = self.train.images.shape[1:]
-    return shape if size is None else (size, size) + shape[2:]
+    return np.zeros((1,) + (shape if size is None else (size, size) + shape[2:]), np.float32)
 
   def train_batch(self, step, size):
     images, labels = self.batcher.batch(step)
@@ -101,8 +102,8 @@ class ImageNetInputs:
     self.num_classes = imagenet.NUM_CLASSES
     self.steps_per_epoch = self.train.steps_per_epoch
 
-  def example_shape(self, size):
-    return (size or 224, size or 224, 3)
+  def example(self, size):
+    return np.zeros((1, size or 224, size or 224, 3), np.float32)
 
   def train_batch(self, step, size):
     return self.train.batch(step, size or 224)
@@ -127,9 +128,35 @@ class ImageNetInputs:
     return out
 
 
+def text_inputs(data_cfg: Any, batch_size: int, seed: int) -> Any:
+  """kjv (the King James Bible) or text (data.path: a file or directory): split by document,
+  BPE-tokenized (cached), packed to data.seq_len."""
+  from sparsejax.data import text
+  if data_cfg.name == "kjv":
+    docs = text.kjv_documents()
+  elif not data_cfg.path:
+    raise ValueError("dataset 'text' needs data.path: a UTF-8 text file or a directory of .txt")
+  else:
+    docs = text.text_documents(data_cfg.path)
+  train_docs, val_docs = text.split_documents(docs)
+  tok = text.bpe_tokenizer(train_docs, vocab_size=data_cfg.vocab_size,
+                           cache_dir=data_cfg.cache_dir or "~/.cache/sparsejax")
+  return text.TextInputs(text.pack(tok.encode(train_docs), data_cfg.seq_len),
+                         text.pack(tok.encode(val_docs), data_cfg.seq_len), tok.vocab_size,
+                         batch_size, seed)
+
+
+TEXT_DATASETS = ("kjv", "text")
+
+
 def open_inputs(config: Any) -> Inputs:
   """The inputs `config.data` names, batched by `config.batch_size` (global)."""
   if config.data.name == "imagenet2012":
     return ImageNetInputs(config.data, config.batch_size, config.seed)
+  if config.data.name in TEXT_DATASETS:
+    return text_inputs(config.data, config.batch_size, config.seed)
+  if config.data.name not in small.DATASETS:
+    known = sorted([*small.DATASETS, "imagenet2012", *TEXT_DATASETS])
+    raise ValueError(f"unknown dataset {config.data.name!r}; allowed: {known}")
   train, test = small.load(config.data.name, seed=config.seed, path=config.data.path)
   return InMemoryInputs(train, test, config.batch_size, config.seed)

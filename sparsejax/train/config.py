@@ -23,7 +23,11 @@ def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   # num_filters: width of the first ResNet stage (0 = the model's own); smoke tests shrink it.
-  c.model = ml_collections.ConfigDict({"name": "resnet20", "dtype": "float32", "num_filters": 0})
+  # d_model, num_heads, d_ff, num_layers: Transformer sizes (0 = the model's own); dropout: the
+  # Transformer's rate (-1 = the model's own). A language model's max_len is data.seq_len.
+  c.model = ml_collections.ConfigDict({
+      "name": "resnet20", "dtype": "float32", "num_filters": 0,
+      "d_model": 0, "num_heads": 0, "d_ff": 0, "num_layers": 0, "dropout": -1.0})
   # resize_schedule: progressive resizing, ((first_epoch, image_size), ...) sorted by epoch;
   # () keeps the dataset's own size.
   # path: IDX directory (idx, fashion_mnist) or TFDS data directory (imagenet2012).
@@ -34,6 +38,9 @@ def default_config() -> ml_collections.ConfigDict:
       "name": "digits", "path": "", "resize_schedule": (),
       "cache_dir": "", "memory_cache_bytes": 1 << 30, "disk_cache_bytes": 100 << 30,
       "workers": 0, "threads": 8, "eval_split": "validation", "decoded_max_size": 160,
+      # text (kjv, text): sequence length and BPE vocabulary (tokenizer cached under
+      # data.cache_dir, default ~/.cache/sparsejax)
+      "seq_len": 128, "vocab_size": 4096,
   })
   # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
   # that many virtual CPU devices when only a CPU is present.
@@ -149,6 +156,8 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.data.workers >= 0, "data.workers", ">= 0")
   need(c.data.threads >= 1, "data.threads", ">= 1")
   need(c.data.decoded_max_size >= 0, "data.decoded_max_size", ">= 0")
+  need(c.data.seq_len >= 1, "data.seq_len", ">= 1")
+  need(c.data.vocab_size >= 8, "data.vocab_size", ">= 8")
   need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
   need(c.max_consecutive_skips >= 1, "max_consecutive_skips", ">= 1")
   stages = c.data.resize_schedule

@@ -43,7 +43,15 @@ def check_workdir(workdir: str) -> str:
 def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, total_steps: int
                   ) -> step_lib.Trainer:
   """The `Trainer` a validated config describes: model, compression, fused optimizer, schedules."""
-  extra = {"num_filters": config.model.num_filters} if config.model.num_filters else {}
+  m = config.model
+  if m.name in models.SEQUENCE_MODELS:
+    extra = {k: m[k] for k in ("d_model", "num_heads", "d_ff", "num_layers") if m[k]}
+    if m.dropout >= 0:
+      extra["dropout"] = m.dropout
+    if m.name == "transformer_lm":
+      extra["max_len"] = config.data.seq_len
+  else:
+    extra = {"num_filters": m.num_filters} if m.num_filters else {}
   model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
                        **extra)
   lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
@@ -90,7 +98,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
 
   # --- model, transforms, state
   trainer = build_trainer(config, mesh, data.num_classes, steps_per_epoch, total_steps)
-  state = trainer.init(config.seed, data.example_shape(
+  state = trainer.init(config.seed, data.example(
       schedules.image_size(config.data.resize_schedule, 0.0)))
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   start = ckpt.latest_step() or 0
@@ -184,7 +192,11 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   candidates = [{"step": s, **m} for s, m in evals]
   if previous.get("best_eval"):
     candidates.append(previous["best_eval"])
-  best = max(candidates, key=lambda e: e["accuracy"]) if candidates else None
+  # best: the highest accuracy for classifiers, the lowest loss for sequence models
+  if config.model.name in models.SEQUENCE_MODELS:
+    best = min(candidates, key=lambda e: e["loss"]) if candidates else None
+  else:
+    best = max(candidates, key=lambda e: e["accuracy"]) if candidates else None
   summary = {
       "config": config.to_dict(), "steps": int(step), "total_steps": total_steps,
       "interrupted": interrupted,
