@@ -1,6 +1,9 @@
 """`sparsejax` command line: thin, it parses and calls the library.
 
   sparsejax train CONFIG [--workdir DIR] [--set key=value ...]
+  sparsejax launch --nodes N --procs-per-node P [--devices-per-proc D] [--bandwidth RATE] \
+      -- train CONFIG [...]
+  sparsejax prepare imagenet --manual-dir DIR --data-dir DIR [--fake]
   sparsejax info [--config CONFIG]
 """
 
@@ -40,7 +43,14 @@ def _train(args: argparse.Namespace) -> int:
   except ValueError as e:
     print(f"sparsejax train: {e}", file=sys.stderr)
     return 2
-  _ensure_cpu_devices(config.mesh.num_devices)
+  from sparsejax import cluster
+  try:
+    distributed = cluster.initialize()  # one of several processes (sparsejax launch, SLURM)?
+  except Exception as e:  # noqa: BLE001 - jax raises various errors when peers are unreachable
+    print(f"sparsejax train: cannot start jax.distributed: {e}", file=sys.stderr)
+    return 4
+  if not distributed:
+    _ensure_cpu_devices(config.mesh.num_devices)
   from sparsejax.train.loop import TooManySkippedSteps, train_and_evaluate
 
   workdir = args.workdir or os.path.join(
@@ -53,7 +63,9 @@ def _train(args: argparse.Namespace) -> int:
   except TooManySkippedSteps as e:
     print(f"sparsejax train: {e}", file=sys.stderr)
     return 3
-  _print_summary(summary, workdir)
+  import jax
+  if jax.process_index() == 0:
+    _print_summary(summary, workdir)
   return 130 if summary["interrupted"] else 0
 
 
@@ -71,8 +83,46 @@ def _print_summary(summary: dict, workdir: str) -> None:
         "summary.json)")
 
 
+def _check_distributed(repeat: int = 1) -> int:
+  """Every process adds its rank over all devices of all processes (`repeat` times, reporting the
+  median time): a cluster connectivity and latency check."""
+  import statistics
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((jax.device_count(),), ("all",))
+  sharding = NamedSharding(mesh, P("all"))
+  local = np.full((jax.local_device_count(),), jax.process_index() + 1, np.float32)
+  x = jax.make_array_from_process_local_data(sharding, local)
+  reduce = jax.jit(lambda v: jnp.sum(v), out_shardings=NamedSharding(mesh, P()))
+  expect = sum((p + 1) * jax.local_device_count() for p in range(jax.process_count()))
+  got = float(np.asarray(reduce(x)))
+  print(f"all-reduce over {jax.device_count()} devices of {jax.process_count()} processes: "
+        f"{got:g} (expected {expect:g})", flush=True)
+  times = []
+  for _ in range(repeat - 1):
+    t0 = time.perf_counter()
+    jax.block_until_ready(reduce(x))
+    times.append(time.perf_counter() - t0)
+  if times:
+    print(f"{len(times)} more all-reduces: median {1e3 * statistics.median(times):.2f} ms")
+  return 0 if got == expect else 1
+
+
 def _info(args: argparse.Namespace) -> int:
   mesh_sizes = (1, -1)
+  if args.distributed:
+    from sparsejax import cluster
+    try:
+      cluster.initialize()
+    except Exception as e:  # noqa: BLE001
+      print(f"sparsejax info: cannot start jax.distributed: {e}", file=sys.stderr)
+      return 4
   if args.config:
     from sparsejax.train import config as config_lib
     try:
@@ -101,7 +151,19 @@ def _info(args: argparse.Namespace) -> int:
     return 2
   print(f"mesh: node x local = {mesh.shape['node']} x {mesh.shape['local']}"
         + (f" (from {args.config})" if args.config else " (default: one node)"))
-  return 0
+  return _check_distributed(args.repeat) if args.distributed else 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+  from sparsejax import cluster
+  command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+  try:
+    return cluster.launch(command, nodes=args.nodes, procs_per_node=args.procs_per_node,
+                          devices_per_proc=args.devices_per_proc, bandwidth=args.bandwidth,
+                          init_timeout_s=args.init_timeout)
+  except (ValueError, PermissionError, RuntimeError) as e:
+    print(f"sparsejax launch: {e}", file=sys.stderr)
+    return 2
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -135,7 +197,24 @@ def main(argv: list[str] | None = None) -> int:
   t.set_defaults(func=_train)
   i = sub.add_parser("info", help="devices, mesh and versions")
   i.add_argument("--config", help="show the mesh this config would build")
+  i.add_argument("--distributed", action="store_true",
+                 help="join the processes of `sparsejax launch` (or SLURM/MPI) and all-reduce "
+                      "across them: a connectivity check")
+  i.add_argument("--repeat", type=int, default=1, help="with --distributed: all-reduces to time")
   i.set_defaults(func=_info)
+  la = sub.add_parser("launch", help="run a command as several processes on this machine, "
+                                     "optionally inside an emulated cluster")
+  la.add_argument("--nodes", type=int, required=True, help="emulated nodes (>= 1)")
+  la.add_argument("--procs-per-node", type=int, default=1, help="processes per node (>= 1)")
+  la.add_argument("--devices-per-proc", type=int, default=1,
+                  help="virtual CPU devices per process (>= 1)")
+  la.add_argument("--bandwidth", help="limit each node's link, e.g. 1gbit or 200mbit (needs "
+                                      "root: namespaces, veths, tc)")
+  la.add_argument("--init-timeout", type=int, default=120,
+                  help="seconds a process waits for the others at start-up")
+  la.add_argument("command_args", nargs=argparse.REMAINDER,
+                  help="after --: the sparsejax command each process runs, e.g. train CONFIG")
+  la.set_defaults(func=_launch)
   p = sub.add_parser("prepare", help="prepare a dataset (ImageNet via TFDS) for training")
   p.add_argument("dataset", choices=["imagenet"])
   p.add_argument("--manual-dir", required=True,

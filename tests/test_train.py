@@ -204,22 +204,6 @@ def test_non_finite_gradients_are_skipped_and_stop_the_run(tmp_path, monkeypatch
   assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
 
 
-def test_cli_trains_with_overrides_and_creates_its_own_cpu_devices(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  cmd = [sys.executable, "-m", "sparsejax.cli", "train", os.path.join(ROOT, "configs",
-                                                                      "quickstart.py"),
-         "--workdir", str(tmp_path), "--no-progress", "--set", "num_epochs=1",
-         "--set", "eval_every_steps=0", "--set", "checkpoint_every_steps=0"]
-  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "final accuracy" in out.stdout
-  with open(tmp_path / "summary.json") as f:
-    assert json.load(f)["devices"] == 8
-  bad = subprocess.run(cmd[:5] + ["--set", "optimizer.learning_rte=1"], env=env,
-                       capture_output=True, text=True, timeout=120)
-  assert bad.returncode == 2 and "did you mean" in bad.stderr
-
-
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, monkeypatch):
   real_batch = data_lib.EpochBatcher.batch
 

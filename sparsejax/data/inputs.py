@@ -34,8 +34,20 @@ class Inputs(Protocol):
   def stats(self) -> dict[str, float]: ...
 
 
+def _process_share(batch_size: int) -> tuple[int, int]:
+  """(start, stop) of this process's rows of a global batch: processes own contiguous blocks of
+  the mesh's devices, in order."""
+  import jax
+  count, index = jax.process_count(), jax.process_index()
+  if batch_size % count:
+    raise ValueError(f"global batch_size {batch_size} is not divisible by the {count} processes")
+  per = batch_size // count
+  return index * per, (index + 1) * per
+
+
 class InMemoryInputs:
-  """A small dataset held in memory (digits, Fashion-MNIST, any IDX directory)."""
+  """A small dataset held in memory (digits, Fashion-MNIST, any IDX directory). Every process
+  holds all of it and builds the same global batches; each returns its own rows."""
 
   def __init__(self, train: small.ArrayDataset, test: small.ArrayDataset, batch_size: int,
                seed: int):
@@ -43,6 +55,7 @@ class InMemoryInputs:
     self.batcher = small.EpochBatcher(train, batch_size, seed)
     self.num_classes = train.num_classes
     self.steps_per_epoch = self.batcher.steps_per_epoch
+    self.rows = slice(*_process_share(batch_size))
 
   def example(self, size):
     """A batch of one input, as the model sees it (for initialisation)."""
@@ -51,10 +64,12 @@ class InMemoryInputs:
 
   def train_batch(self, step, size):
     images, labels = self.batcher.batch(step)
+    images, labels = images[self.rows], labels[self.rows]
     return (images if size is None else small.resize(images, size)), labels
 
   def eval_batches(self, size):
     for images, labels, weights in small.eval_batches(self.test, self.batch_size):
+      images, labels, weights = images[self.rows], labels[self.rows], weights[self.rows]
       yield (images if size is None else small.resize(images, size)), labels, weights
 
   def stats(self):

@@ -177,12 +177,15 @@ class TextInputs:
                                 batch_size, seed)
     self.num_classes = vocab_size
     self.steps_per_epoch = self.batcher.steps_per_epoch
+    from sparsejax.data.inputs import _process_share
+    self.rows = slice(*_process_share(batch_size))
 
   def example(self, size):
     return np.zeros((1, self.train_seqs.shape[1] - 1), np.int32)
 
   def train_batch(self, step, size):
     rows, _ = self.batcher.batch(step)
+    rows = rows[self.rows]
     return rows[:, :-1], rows[:, 1:]
 
   def eval_batches(self, size) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -190,8 +193,8 @@ class TextInputs:
     for start in range(0, n, b):
       idx = np.arange(start, start + b)
       weights = (idx < n).astype(np.float32)
-      rows = self.val_seqs[np.minimum(idx, n - 1)]
-      yield rows[:, :-1], rows[:, 1:], weights
+      rows = self.val_seqs[np.minimum(idx, n - 1)][self.rows]
+      yield rows[:, :-1], rows[:, 1:], weights[self.rows]
 
   def stats(self):
     return {}

@@ -19,7 +19,7 @@ from sparsejax.train import checkpoint, schedules
 from sparsejax.train import config as config_lib
 from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import make_mesh
-from sparsejax.train.metrics import MetricsWriter
+from sparsejax.train.metrics import MetricsWriter, NullWriter
 
 __all__ = ["train_and_evaluate", "build_trainer", "check_workdir", "TooManySkippedSteps"]
 
@@ -107,7 +107,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   train_step = trainer.train_step_fn(state)
   eval_step = trainer.eval_step_fn(state)
   sync = trainer.sync_batch_stats_fn()
-  writer = MetricsWriter(workdir, resume_step=start)
+  lead = jax.process_index() == 0  # the process that writes metrics and the summary
+  writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
   evals: list[tuple[int, dict[str, float]]] = []
   summary_path = os.path.join(workdir, "summary.json")
   previous = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
@@ -140,7 +141,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
 
   # --- the loop
   t0 = time.time()
-  bar = tqdm(total=total_steps, initial=start, disable=not progress, unit="step",
+  bar = tqdm(total=total_steps, initial=start, disable=not (progress and lead), unit="step",
              dynamic_ncols=True)
   pending: list[dict[str, jax.Array]] = []
   step = start
@@ -207,8 +208,9 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
       "bytes_sent": bytes_sent, "skipped_steps": skipped_steps,
       "devices": workers, "mesh": dict(mesh.shape),
   }
-  tmp = summary_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(summary, f, indent=1, default=str)
-  os.replace(tmp, summary_path)
+  if lead:
+    tmp = summary_path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(summary, f, indent=1, default=str)
+    os.replace(tmp, summary_path)
   return summary

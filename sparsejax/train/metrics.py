@@ -56,3 +56,13 @@ class MetricsWriter:
 
   def close(self) -> None:
     self.tb.close()
+
+
+class NullWriter:
+  """What processes other than the first use: metrics are written once, by process 0."""
+
+  def write(self, split: str, step: int, metrics: dict[str, float]) -> None:
+    del split, step, metrics
+
+  def close(self) -> None:
+    pass

@@ -1,0 +1,344 @@
+"""Multi-process runs: `jax.distributed` start-up, and a local launcher with an emulated cluster.
+
+In each process (the launcher sets the environment; SLURM and Open MPI are detected by JAX):
+
+  cluster.initialize()            # before any other JAX call
+
+`sparsejax launch --nodes N --procs-per-node P [--devices-per-proc D] [--bandwidth RATE] -- train
+CONFIG ...` runs N*P processes on this machine (`launch`). With a bandwidth it first builds an
+emulated cloud cluster (`EmulatedCluster`): a network namespace per node, joined to a bridge by a
+veth whose both ends are limited with `tc tbf` (no netem here: no added delay); processes of one
+node share its namespace, so their traffic stays on its loopback (the fast intra-node link).
+Everything it creates carries a per-run prefix and is removed again, on success, failure and
+Ctrl-C. Processes are started with argument lists (never a shell).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "EmulatedCluster", "launch"]
+
+# The launcher's environment for each process.
+ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
+       "process_id": "SPARSEJAX_PROCESS_ID", "devices": "SPARSEJAX_DEVICES_PER_PROCESS",
+       "host": "SPARSEJAX_GLOO_HOST", "timeout": "SPARSEJAX_INIT_TIMEOUT_S"}
+# jax versions the gloo binding (private JAX API) was checked with.
+GLOO_BINDING_CHECKED = ("0.10.2",)
+
+
+def bind_gloo(hostname: str) -> None:
+  """Makes JAX's CPU backend build its gloo collectives bound to `hostname` (this node's address)
+  instead of the machine's hostname, which resolves to 127.0.0.1 and is unreachable from other
+  network namespaces. Private JAX API (checked with jax GLOO_BINDING_CHECKED): the one workaround,
+  kept here. Call before the CPU backend starts."""
+  from jax._src import distributed
+  from jax._src import xla_bridge as xb
+  from jax._src.lib import _jax
+
+  def factory():
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=distributed.global_state.client, hostname=hostname)
+    return xb.make_cpu_client(collectives=collectives)
+
+  xb.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, devices_per_process: int | None = None,
+               gloo_host: str | None = None, timeout_s: int | None = None) -> bool:
+  """Starts `jax.distributed` from the arguments, else from the launcher's environment (ENV),
+  else from what JAX detects (SLURM, Open MPI). On CPUs: gloo collectives and
+  `devices_per_process` virtual devices. Returns False (and does nothing) for a single process.
+  Must run before any other JAX call."""
+  import jax
+  env = os.environ
+  coordinator = coordinator or env.get(ENV["coordinator"])
+  if num_processes is None and env.get(ENV["num_processes"]):
+    num_processes = int(env[ENV["num_processes"]])
+  if process_id is None and env.get(ENV["process_id"]):
+    process_id = int(env[ENV["process_id"]])
+  if devices_per_process is None and env.get(ENV["devices"]):
+    devices_per_process = int(env[ENV["devices"]])
+  gloo_host = gloo_host or env.get(ENV["host"])
+  if timeout_s is None:
+    timeout_s = int(env.get(ENV["timeout"], "300"))
+  detected = any(k in env for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))
+  if coordinator is None and not detected:
+    return False
+  if num_processes == 1:
+    return False
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if devices_per_process:
+    jax.config.update("jax_num_cpu_devices", devices_per_process)
+  if gloo_host:
+    bind_gloo(gloo_host)
+  if coordinator and process_id not in (None, 0):
+    _wait_for(coordinator, timeout_s)
+  jax.distributed.initialize(coordinator, num_processes, process_id,
+                             initialization_timeout=timeout_s)
+  return True
+
+
+def _wait_for(address: str, timeout_s: float) -> None:
+  """Waits until the coordinator accepts TCP connections; a ConnectionError naming it after
+  `timeout_s` (JAX itself aborts the process, with no Python error, when it cannot connect)."""
+  import socket
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"coordinator address {address!r} must be HOST:PORT")
+  deadline = time.monotonic() + timeout_s
+  last: Exception | None = None
+  while time.monotonic() < deadline:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return
+    except OSError as e:
+      last = e
+      time.sleep(0.25)
+  raise ConnectionError(f"the coordinator {address} did not answer within {timeout_s:g} s "
+                        f"({last}); is process 0 running and reachable from here?")
+
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(bit|Bit|bps|B|Bps)?(/s)?\s*$")
+
+
+def parse_rate(text: str) -> int:
+  """A bandwidth -> bits per second: "1gbit", "200Mbit", "25gbit/s", "100MB/s" (bytes), or a
+  plain number of bits per second."""
+  m = _RATE.match(str(text))
+  if not m or (m.group(4) and not m.group(3)):
+    raise ValueError(f"bandwidth {text!r} does not parse; use e.g. 1gbit, 200mbit, 25gbit/s, "
+                     "100MB/s")
+  value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+  if m.group(3) in ("B", "Bps"):
+    value *= 8
+  if value < 8000:
+    raise ValueError(f"bandwidth {text!r} is below 8 kbit/s")
+  return int(value)
+
+
+def _run(*cmd: str) -> None:
+  res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+  if res.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip() or res.stdout.strip()}")
+
+
+@dataclasses.dataclass
+class EmulatedCluster:
+  """N node namespaces on a bridge, each node's link limited to `rate_bps` each way (tc tbf).
+
+  Node i has address 10.<a>.<b>.(i+1)/24 on its veth; names start with a per-run prefix.
+  Use as a context manager: everything is removed on exit, whatever happened.
+  """
+
+  nodes: int
+  rate_bps: int
+  burst_bytes: int = 16 * 1024
+  prefix: str = dataclasses.field(default_factory=lambda: f"sjx{uuid.uuid4().hex[:6]}")
+
+  def __post_init__(self):
+    if not 1 <= self.nodes <= 200:
+      raise ValueError(f"nodes must be in [1, 200], got {self.nodes}")
+    h = int(self.prefix[-4:], 16)
+    self.subnet = ipaddress.ip_network(f"10.{100 + h % 100}.{h // 100 % 250}.0/24")
+    self.created: list[tuple[str, str]] = []  # ("netns", name) | ("link", name), in order
+
+  @property
+  def bridge_ns(self) -> str:
+    return f"{self.prefix}-br"
+
+  def ns(self, node: int) -> str:
+    return f"{self.prefix}-n{node}"
+
+  def address(self, node: int) -> str:
+    return str(self.subnet.network_address + node + 1)
+
+  def exec_prefix(self, node: int) -> list[str]:
+    return ["ip", "netns", "exec", self.ns(node)]
+
+  def __enter__(self) -> EmulatedCluster:
+    if os.geteuid() != 0:
+      raise PermissionError("emulating a cluster (--bandwidth) needs root: network namespaces, "
+                            "veths and tc qdiscs; run as root or launch without --bandwidth")
+    try:
+      self._build()
+    except BaseException:
+      self.remove()
+      raise
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.remove()
+
+  def _build(self) -> None:
+    rate, burst = str(self.rate_bps), str(self.burst_bytes)
+    _run("ip", "netns", "add", self.bridge_ns)
+    self.created.append(("netns", self.bridge_ns))
+    _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+    _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+    for i in range(self.nodes):
+      ns = self.ns(i)
+      _run("ip", "netns", "add", ns)
+      self.created.append(("netns", ns))
+      _run("ip", "-n", ns, "link", "set", "lo", "up")
+      _run("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}",
+           "netns", self.bridge_ns)
+      _run("ip", "-n", self.bridge_ns, "link", "set", f"p{i}", "master", "br0")
+      _run("ip", "-n", self.bridge_ns, "link", "set", f"p{i}", "up")
+      _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/{self.subnet.prefixlen}",
+           "dev", "eth0")
+      _run("ip", "-n", ns, "link", "set", "eth0", "up")
+      for where, dev in ((ns, "eth0"), (self.bridge_ns, f"p{i}")):  # both directions
+        _run("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+             "rate", f"{rate}bit", "burst", burst, "latency", "400ms")
+
+  def remove(self) -> None:
+    """Deletes every namespace this cluster created (their veths and qdiscs go with them)."""
+    for kind, name in reversed(self.created):
+      if kind == "netns":
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+    self.created.clear()
+
+  @staticmethod
+  def leftovers(prefix: str) -> list[str]:
+    """Namespaces whose name starts with `prefix` (a test checks none are left)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class _Proc:
+  rank: int
+  popen: subprocess.Popen
+  buffer: bytes = b""
+
+
+def _stop(procs: Sequence[_Proc], grace_s: float) -> None:
+  for p in procs:
+    if p.popen.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.popen.pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      p.popen.wait(max(0.0, deadline - time.monotonic()))
+    if p.popen.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.popen.pid, signal.SIGKILL)
+      p.popen.wait()
+
+
+def _pump(procs: Sequence[_Proc], out) -> Iterator[None]:
+  """Copies each process's output, line by line and prefixed with its rank, to `out`."""
+  sel = selectors.DefaultSelector()
+  for p in procs:
+    os.set_blocking(p.popen.stdout.fileno(), False)
+    sel.register(p.popen.stdout, selectors.EVENT_READ, p)
+  while sel.get_map():
+    for key, _ in sel.select(timeout=0.5):
+      p: _Proc = key.data
+      chunk = p.popen.stdout.read()
+      if not chunk:
+        sel.unregister(key.fileobj)
+        chunk = b"\n" if p.buffer else b""
+      p.buffer += chunk
+      *lines, p.buffer = p.buffer.split(b"\n")
+      for line in lines:
+        out.write(f"[{p.rank}] {line.decode(errors='replace')}\n")
+      out.flush()
+    yield
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_proc: int = 1,
+           bandwidth: str | None = None, init_timeout_s: int = 120, grace_s: float = 20.0,
+           out=None) -> int:
+  """Runs `python -m sparsejax.cli *argv` as nodes * procs_per_node processes; returns the exit
+  code (0 only if every process exited 0). If one process fails, the others are stopped (SIGTERM,
+  then SIGKILL after `grace_s`) and the error names the lost rank."""
+  for name, value in (("nodes", nodes), ("procs-per-node", procs_per_node),
+                      ("devices-per-proc", devices_per_proc)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+  if not argv:
+    raise ValueError("nothing to launch: give the command after --, e.g. -- train CONFIG")
+  rate = parse_rate(bandwidth) if bandwidth is not None else None
+  out = out or sys.stdout
+  world = nodes * procs_per_node
+  with contextlib.ExitStack() as stack:
+    cluster = None
+    if rate is not None:
+      cluster = stack.enter_context(EmulatedCluster(nodes, rate))
+      coordinator = f"{cluster.address(0)}:{_free_port()}"
+    else:
+      coordinator = f"127.0.0.1:{_free_port()}"
+    procs: list[_Proc] = []
+    interrupted = False
+    main = threading.current_thread() is threading.main_thread()
+    if main:  # a SIGTERM to the launcher stops and cleans up like Ctrl-C
+      old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+      for rank in range(world):
+        node = rank // procs_per_node
+        # each process gets --devices-per-proc devices, whatever XLA_FLAGS said here
+        xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                             if "xla_force_host_platform_device_count" not in f)
+        env = dict(os.environ, XLA_FLAGS=xla_flags, **{
+            ENV["coordinator"]: coordinator, ENV["num_processes"]: str(world),
+            ENV["process_id"]: str(rank), ENV["devices"]: str(devices_per_proc),
+            ENV["timeout"]: str(init_timeout_s), "PYTHONUNBUFFERED": "1"})
+        if cluster is not None:
+          env[ENV["host"]] = cluster.address(node)
+        cmd = [sys.executable, "-m", "sparsejax.cli", *argv]
+        if cluster is not None:
+          cmd = cluster.exec_prefix(node) + cmd
+        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        procs.append(_Proc(rank, popen))
+      failed = None
+      for _ in _pump(procs, out):
+        for p in procs:
+          if failed is None and p.popen.poll() not in (None, 0):
+            failed = p
+            out.write(f"sparsejax launch: rank {p.rank} (node {p.rank // procs_per_node}) "
+                      f"exited with code {p.popen.returncode}; stopping the other processes\n")
+            out.flush()
+            _stop(procs, grace_s)
+      for p in procs:
+        p.popen.wait()
+      if failed is not None:
+        out.write(f"sparsejax launch: failed: lost rank {failed.rank} (exit code "
+                  f"{failed.popen.returncode})\n")
+        return failed.popen.returncode or 1
+      return 0
+    except KeyboardInterrupt:
+      interrupted = True
+      out.write("sparsejax launch: interrupted; stopping every process\n")
+      return 130
+    finally:
+      if main:
+        signal.signal(signal.SIGTERM, old)
+      _stop(procs, grace_s if not interrupted else min(grace_s, 30.0))

@@ -1,0 +1,227 @@
+"""Multi-process runs on jax.distributed: the launcher, the emulated cluster (network namespaces,
+veths, tc), faults, and equality with a single process. The emulation needs root (CI is root)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparsejax import cli, cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+
+
+def _env():
+  """The test process's environment without its 8-device XLA flag (the CLI and the launcher
+  choose the device count themselves)."""
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _need_root():
+  if os.geteuid() != 0:
+    if os.environ.get("CI"):
+      pytest.fail("CI runs as root: the emulated-cluster tests must run there")
+    pytest.skip("needs root (network namespaces)")
+
+
+def _sparsejax_namespaces() -> list[str]:
+  return cluster.EmulatedCluster.leftovers("sjx")
+
+
+def read_losses(path):
+  with open(path, newline="") as f:
+    return np.asarray([float(r["loss"]) for r in csv.DictReader(f)])
+
+
+# ----------------------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("text, bps", [("1gbit", 10**9), ("200mbit", 2 * 10**8),
+                                       ("25Gbit/s", 25 * 10**9), ("100MB/s", 8 * 10**8),
+                                       ("500000", 500000)])
+def test_parse_rate(text, bps):
+  assert cluster.parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--nodes", "0", "--", "info"], "--nodes must be an integer >= 1, got 0"),
+    (["--nodes", "2", "--procs-per-node", "-1", "--", "info"], "--procs-per-node must be"),
+    (["--nodes", "2", "--bandwidth", "fast", "--", "info"], "bandwidth 'fast' does not parse"),
+    (["--nodes", "2"], "nothing to launch"),
+])
+def test_launch_refuses_bad_arguments(argv, match, capsys):
+  assert cli.main(["launch", *argv]) == 2
+  assert match in capsys.readouterr().err
+
+
+def test_unreachable_coordinator_is_an_error_within_the_timeout():
+  with socket.socket() as s:  # a port on loopback where nobody listens
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(_env(), **{cluster.ENV["coordinator"]: f"127.0.0.1:{port}",
+                        cluster.ENV["num_processes"]: "2", cluster.ENV["process_id"]: "1",
+                        cluster.ENV["timeout"]: "5"})
+  t0 = time.monotonic()
+  out = subprocess.run([sys.executable, "-m", "sparsejax.cli", "info", "--distributed"], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 4 and "cannot start jax.distributed" in out.stderr
+  assert time.monotonic() - t0 < 90
+
+
+# ----------------------------------------------------------------------------- emulated cluster
+
+def test_emulated_cluster_limits_links_and_leaves_nothing_behind():
+  _need_root()
+  with cluster.EmulatedCluster(2, cluster.parse_rate("200mbit")) as c:
+    prefix = c.prefix
+    assert sorted(_sparsejax_namespaces()) == sorted([c.bridge_ns, c.ns(0), c.ns(1)])
+    qdisc = subprocess.run(c.exec_prefix(1) + ["tc", "qdisc", "show", "dev", "eth0"],
+                           capture_output=True, text=True).stdout
+    assert "tbf" in qdisc and "200Mbit" in qdisc
+    # node 0 reaches node 1 over the emulated link (a TCP connection between the namespaces)
+    addr = c.address(1)
+    server = subprocess.Popen(c.exec_prefix(1) + [sys.executable, "-c", (
+        f"import socket; s = socket.create_server(('{addr}', 29500)); s.settimeout(20); "
+        "c, _ = s.accept(); c.sendall(b'hello from node 1')")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    client = subprocess.run(c.exec_prefix(0) + [sys.executable, "-c", (
+        "import socket, time\nfor _ in range(100):\n  try:\n"
+        f"    s = socket.create_connection(('{addr}', 29500), timeout=2); break\n"
+        "  except OSError: time.sleep(0.1)\nprint(s.recv(100).decode())")],
+        capture_output=True, text=True, timeout=60)
+    server.wait(30)
+    assert client.stdout.strip() == "hello from node 1", client.stderr
+  assert cluster.EmulatedCluster.leftovers(prefix) == []
+
+
+def test_launch_in_an_emulated_cluster_all_reduces_across_nodes():
+  _need_root()
+  out = io.StringIO()
+  rc = cluster.launch(["info", "--distributed"], nodes=2, procs_per_node=2, devices_per_proc=2,
+                      bandwidth="1gbit", init_timeout_s=60, out=out)
+  text = out.getvalue()
+  assert rc == 0, text[-3000:]
+  for rank in range(4):  # every process saw all 8 devices of the 4 processes: 2*(1+2+3+4)
+    assert f"[{rank}] all-reduce over 8 devices of 4 processes: 20 (expected 20)" in text
+  assert _sparsejax_namespaces() == []
+
+
+def test_a_lost_process_stops_the_others_and_the_cluster_is_removed():
+  _need_root()
+  out = io.StringIO()
+  result = {}
+  argv = ["info", "--distributed", "--repeat", "100000"]
+  worker = threading.Thread(target=lambda: result.update(rc=cluster.launch(
+      argv, nodes=2, procs_per_node=1, devices_per_proc=1, bandwidth="1gbit",
+      init_timeout_s=60, grace_s=10, out=out)))
+  worker.start()
+  deadline = time.monotonic() + 120
+  while "[1] all-reduce over" not in out.getvalue() and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert "[1] all-reduce over" in out.getvalue(), out.getvalue()[-3000:]
+  victim = _launched_pid(rank=1)
+  t0 = time.monotonic()
+  os.kill(victim, signal.SIGKILL)
+  worker.join(90)
+  assert not worker.is_alive()
+  assert time.monotonic() - t0 < 60
+  assert result["rc"] != 0
+  assert "lost rank 1" in out.getvalue()
+  assert _sparsejax_namespaces() == []
+
+
+def _launched_pid(rank: int) -> int:
+  """The pid of this test's launched process of `rank` (its environment names the rank)."""
+  me = os.getpid()
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmd = f.read()
+    except OSError:
+      continue
+    if (f"{cluster.ENV['process_id']}={rank}".encode() in env and b"sparsejax.cli" in cmd
+        and b"python" in cmd and int(pid) != me):
+      return int(pid)
+  raise AssertionError(f"no launched process of rank {rank}")
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_more_processes_than_the_mesh_allows_fails_clearly():
+  out = io.StringIO()
+  rc = cluster.launch(["train", QUICKSTART, "--workdir", "/tmp/unused-sparsejax-run",
+                       "--no-progress"], nodes=3, procs_per_node=1, devices_per_proc=4,
+                      init_timeout_s=60, out=out)
+  assert rc != 0
+  assert "does not match the 12 devices" in out.getvalue()
+
+
+def test_quickstart_as_two_nodes_of_four_devices_equals_one_process_of_eight(tmp_path):
+  """2 processes x 4 devices (jax.distributed, gloo) vs the CLI in one process that creates its
+  own 8 CPU devices: the same loss trajectory to rtol 1e-5."""
+  overrides = ["--set", "num_epochs=0.5", "--set", "log_every_steps=1", "--no-progress"]
+  single = subprocess.Popen([sys.executable, "-m", "sparsejax.cli", "train", QUICKSTART,
+                             "--workdir", str(tmp_path / "single"), *overrides], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  out = io.StringIO()
+  rc = cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "multi"), *overrides],
+                      nodes=2, procs_per_node=1, devices_per_proc=4, init_timeout_s=120, out=out)
+  single_out, _ = single.communicate(timeout=600)
+  assert single.returncode == 0, single_out[-3000:]
+  assert rc == 0, out.getvalue()[-3000:]
+  assert "[0] final accuracy" in out.getvalue() and "[1] final accuracy" not in out.getvalue()
+  a = read_losses(tmp_path / "single" / "train.csv")
+  b = read_losses(tmp_path / "multi" / "train.csv")
+  assert len(a) == len(b) == 6
+  np.testing.assert_allclose(b, a, rtol=1e-5)
+  assert not os.path.exists(tmp_path / "multi" / "train.csv.tmp")
+  bad = subprocess.run([sys.executable, "-m", "sparsejax.cli", "train", QUICKSTART, "--set",
+                        "optimizer.learning_rte=1"], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+  assert bad.returncode == 2 and "did you mean" in bad.stderr
+
+
+@pytest.mark.slow  # ~3 minutes on 2 cores: three launches of the quickstart
+def test_killed_run_resumes_from_its_last_checkpoint_in_an_emulated_cluster(tmp_path):
+  _need_root()
+  overrides = ["--set", "num_epochs=2", "--set", "log_every_steps=1", "--set",
+               "checkpoint_every_steps=5", "--no-progress"]
+  out = io.StringIO()
+  assert cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "full"), *overrides],
+                        nodes=2, procs_per_node=1, devices_per_proc=4, bandwidth="1gbit",
+                        out=out) == 0, out.getvalue()[-3000:]
+  out = io.StringIO()
+  result = {}
+  worker = threading.Thread(target=lambda: result.update(rc=cluster.launch(
+      ["train", QUICKSTART, "--workdir", str(tmp_path / "killed"), *overrides], nodes=2,
+      procs_per_node=1, devices_per_proc=4, bandwidth="1gbit", grace_s=10, out=out)))
+  worker.start()
+  ckpt = tmp_path / "killed" / "checkpoints" / "10"
+  deadline = time.monotonic() + 300
+  while not ckpt.exists() and time.monotonic() < deadline:
+    time.sleep(0.2)
+  time.sleep(1.0)
+  os.kill(_launched_pid(rank=1), signal.SIGKILL)
+  worker.join(120)
+  assert result["rc"] != 0 and "lost rank 1" in out.getvalue()
+  out = io.StringIO()
+  assert cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "killed"), *overrides],
+                        nodes=2, procs_per_node=1, devices_per_proc=4, bandwidth="1gbit",
+                        out=out) == 0, out.getvalue()[-3000:]
+  np.testing.assert_allclose(read_losses(tmp_path / "killed" / "train.csv"),
+                             read_losses(tmp_path / "full" / "train.csv"), rtol=1e-5)
+  assert _sparsejax_namespaces() == []
