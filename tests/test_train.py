@@ -4,8 +4,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
