@@ -34,7 +34,8 @@ __all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "EmulatedCluster", "l
 # The launcher's environment for each process.
 ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
        "process_id": "SPARSEJAX_PROCESS_ID", "devices": "SPARSEJAX_DEVICES_PER_PROCESS",
-       "host": "SPARSEJAX_GLOO_HOST", "timeout": "SPARSEJAX_INIT_TIMEOUT_S"}
+       "host": "SPARSEJAX_GLOO_HOST", "timeout": "SPARSEJAX_INIT_TIMEOUT_S",
+       "node": "SPARSEJAX_NODE", "local_rank": "SPARSEJAX_LOCAL_RANK"}
 # jax versions the gloo binding (private JAX API) was checked with.
 GLOO_BINDING_CHECKED = ("0.10.2",)
 
@@ -275,10 +276,12 @@ def _raise_interrupt(signum, frame):
 
 def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_proc: int = 1,
            bandwidth: str | None = None, init_timeout_s: int = 120, grace_s: float = 20.0,
-           out=None) -> int:
-  """Runs `python -m sparsejax.cli *argv` as nodes * procs_per_node processes; returns the exit
-  code (0 only if every process exited 0). If one process fails, the others are stopped (SIGTERM,
-  then SIGKILL after `grace_s`) and the error names the lost rank."""
+           out=None, program: Sequence[str] | None = None,
+           cluster: EmulatedCluster | None = None, extra_env: dict[str, str] | None = None) -> int:
+  """Runs `python -m sparsejax.cli *argv` (or `*program, *argv`) as nodes * procs_per_node
+  processes; returns the exit code (0 only if every process exited 0). If one process fails, the
+  others are stopped (SIGTERM, then SIGKILL after `grace_s`) and the error names the lost rank.
+  `bandwidth` builds an EmulatedCluster for this launch; `cluster` reuses one already built."""
   for name, value in (("nodes", nodes), ("procs-per-node", procs_per_node),
                       ("devices-per-proc", devices_per_proc)):
     if not isinstance(value, int) or value < 1:
@@ -286,12 +289,14 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
   if not argv:
     raise ValueError("nothing to launch: give the command after --, e.g. -- train CONFIG")
   rate = parse_rate(bandwidth) if bandwidth is not None else None
+  if cluster is not None and (rate is not None or cluster.nodes != nodes):
+    raise ValueError("give either bandwidth or a cluster of `nodes` nodes, not both")
   out = out or sys.stdout
   world = nodes * procs_per_node
   with contextlib.ExitStack() as stack:
-    cluster = None
     if rate is not None:
       cluster = stack.enter_context(EmulatedCluster(nodes, rate))
+    if cluster is not None:
       coordinator = f"{cluster.address(0)}:{_free_port()}"
     else:
       coordinator = f"127.0.0.1:{_free_port()}"
@@ -309,10 +314,12 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
         env = dict(os.environ, XLA_FLAGS=xla_flags, **{
             ENV["coordinator"]: coordinator, ENV["num_processes"]: str(world),
             ENV["process_id"]: str(rank), ENV["devices"]: str(devices_per_proc),
-            ENV["timeout"]: str(init_timeout_s), "PYTHONUNBUFFERED": "1"})
+            ENV["timeout"]: str(init_timeout_s), ENV["node"]: str(node),
+            ENV["local_rank"]: str(rank % procs_per_node), "PYTHONUNBUFFERED": "1",
+            **(extra_env or {})})
         if cluster is not None:
           env[ENV["host"]] = cluster.address(node)
-        cmd = [sys.executable, "-m", "sparsejax.cli", *argv]
+        cmd = [*(program or (sys.executable, "-m", "sparsejax.cli")), *argv]
         if cluster is not None:
           cmd = cluster.exec_prefix(node) + cmd
         popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

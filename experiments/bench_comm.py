@@ -1,0 +1,306 @@
+"""One gradient exchange on an emulated cloud cluster: sparsejax's algorithms vs PyTorch's.
+
+  python experiments/bench_comm.py [--quick] [--rates 1gbit,200mbit] [--reps 5]
+                                   [--sizes resnet50,transformer_base] [--no-torch]
+                                   [--out experiments/results/bench_comm.json]     (needs root)
+
+The cluster: 2 nodes x 2 processes x 1 CPU device (`sparsejax.cluster.EmulatedCluster`: a network
+namespace per node, its link limited with tc tbf to each rate; processes of a node share its
+loopback). For a gradient of ResNet-50 size (25,557,032 float32) and of Transformer-base size
+(60,524,544), each process times one exchange of its own random buffer:
+
+  dense          one all-reduce over all 4 workers (XLA's psum, gloo);
+  hierarchical   reduce-scatter in the node, all-reduce between nodes, all-gather in the node;
+  allgather-D    TopK all-gather at density D: MSTopK on the whole buffer, (value, index) pairs
+                 all-gathered by all workers, scatter-add;
+  hitopk-D       HiTopKComm at density D: dense reduce-scatter in the node, MSTopK on the shard,
+                 pairs all-gathered between nodes, all-gather in the node;
+  torch-allreduce / torch-powersgd   PyTorch 2.13 (gloo) on the same cluster: the all-reduce DDP
+                 issues for that many gradients, and DDP's PowerSGD hook (rank 4) on a model of
+                 ResNet-50's parameter shapes (a backward pass whose gradients are all ones).
+
+Every call is timed after a barrier: median and quartiles over `--reps` calls after a warm-up.
+Bytes on the inter-node link: node 0's egress counted by tc during the timed calls. The bound is
+those bytes at the link's rate. Writes JSON, a markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544}
+DENSITIES = (0.01, 0.001)
+NODES, PROCS = 2, 2
+
+
+def _tc_sent_bytes() -> int:
+  """Bytes sent so far through this namespace's eth0 qdisc (the node's inter-node link)."""
+  out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                       text=True).stdout
+  for token_line in out.splitlines():
+    token_line = token_line.strip()
+    if token_line.startswith("Sent "):
+      return int(token_line.split()[1])
+  return 0
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+  return {"median_s": statistics.median(times), "q1_s": float(np.percentile(times, 25)),
+          "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
+
+
+# ----------------------------------------------------------------------------- JAX worker
+
+def jax_worker(args) -> None:
+  from sparsejax import cluster
+  cluster.initialize()
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from sparsejax import comm, topk
+  from sparsejax.train.mesh import WORKERS, make_mesh
+
+  mesh = make_mesh(NODES, PROCS)
+  spec = NamedSharding(mesh, P(WORKERS))
+  rank, local_rank = jax.process_index(), int(os.environ["SPARSEJAX_LOCAL_RANK"])
+  measure_link = local_rank == 0  # one process per node reads its node's tc counter
+  barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, WORKERS), mesh=mesh,
+                                  in_specs=P(WORKERS), out_specs=P()))
+  token = jax.make_array_from_process_local_data(spec, np.ones(1, np.float32))
+  results = []
+  for size_name in args.sizes.split(","):
+    n = SIZES[size_name]
+    n -= n % PROCS
+    local = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    x = jax.make_array_from_process_local_data(spec, local)
+    algos = {"dense": lambda v: comm.dense_allreduce(v, axes=WORKERS),
+             "hierarchical": lambda v: comm.hierarchical_allreduce(v, node_axis="node",
+                                                                   local_axis="local")}
+    for d in DENSITIES:
+      k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / PROCS))
+      algos[f"allgather-{d}"] = (lambda v, k=k_all: comm.topk_allgather(
+          v, k, axes=WORKERS, select=topk.mstopk)[0])
+      algos[f"hitopk-{d}"] = (lambda v, k=k_shard: comm.hitopk_allreduce(
+          v, k, node_axis="node", local_axis="local", select=topk.mstopk)[0])
+    for name, fn in algos.items():
+      f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(WORKERS), out_specs=P(WORKERS),
+                                check_vma=False))
+      jax.block_until_ready(f(x))  # compile + warm-up
+      times, sent = [], 0
+      for _ in range(args.reps):
+        jax.block_until_ready(barrier(token))
+        before = _tc_sent_bytes() if measure_link else 0
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+        sent += (_tc_sent_bytes() - before) if measure_link else 0
+      row = {"size": size_name, "n": n, "algorithm": name, **_stats(times),
+             "node_egress_bytes": sent / args.reps if measure_link else None}
+      if rank == 0:
+        print(json.dumps(row), flush=True)
+      results.append(row)
+  if rank == 0:
+    with open(args.worker_out, "w") as f:
+      json.dump(results, f)
+
+
+# ----------------------------------------------------------------------------- torch worker
+
+def _powersgd_step(shapes):
+  """DDP with PowerSGD (rank 4, error feedback, warm start) on parameters of `shapes`: a step is
+  one backward pass (every gradient 1) and DDP's compressed exchange of the gradients."""
+  import torch
+  from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+  class Params(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.p = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+
+    def forward(self):
+      return sum(p.sum() for p in self.p)
+
+  model = torch.nn.parallel.DistributedDataParallel(Params(), bucket_cap_mb=25)
+  state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+  model.register_comm_hook(state, powersgd.powerSGD_hook)
+
+  def step():
+    model.zero_grad(set_to_none=False)
+    model().backward()
+
+  return step
+
+
+def torch_worker(args) -> None:
+  import torch
+  import torch.distributed as dist
+
+  rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
+  world = int(os.environ["SPARSEJAX_NUM_PROCESSES"])
+  local_rank = int(os.environ["SPARSEJAX_LOCAL_RANK"])
+  coordinator = os.environ["SPARSEJAX_COORDINATOR"]
+  torch.set_num_threads(1)
+  dist.init_process_group("gloo", init_method=f"tcp://{coordinator}", rank=rank,
+                          world_size=world)
+  import jax
+  import param_trees
+  measure_link = local_rank == 0
+  results = []
+  for size_name in args.sizes.split(","):
+    n = SIZES[size_name]
+    buf = torch.from_numpy(np.random.default_rng(rank).standard_normal(n).astype(np.float32))
+    tests = {"torch-allreduce": lambda b=buf: dist.all_reduce(b)}
+    if size_name == "resnet50":
+      tests["torch-powersgd"] = _powersgd_step(
+          [tuple(s.shape) or (1,) for s in jax.tree.leaves(param_trees.TREES["resnet50"]())])
+    for name, fn in tests.items():
+      for _ in range(3):  # warm-up (PowerSGD starts compressing at its 2nd iteration)
+        fn()
+      times, sent = [], 0
+      for _ in range(args.reps):
+        dist.barrier()
+        before = _tc_sent_bytes() if measure_link else 0
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        sent += (_tc_sent_bytes() - before) if measure_link else 0
+      row = {"size": size_name, "n": n, "algorithm": name, **_stats(times),
+             "node_egress_bytes": sent / args.reps if measure_link else None}
+      if rank == 0:
+        print(json.dumps(row), flush=True)
+      results.append(row)
+  if rank == 0:
+    with open(args.worker_out, "w") as f:
+      json.dump(results, f)
+  dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run_on_cluster(c, mode: str, args, log) -> list[dict]:
+  from sparsejax import cluster
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+    path = f.name
+  argv = ["--mode", mode, "--reps", str(args.reps), "--sizes", args.sizes,
+          "--worker-out", path]
+  rc = cluster.launch(argv, nodes=NODES, procs_per_node=PROCS, devices_per_proc=1,
+                      cluster=c, program=[sys.executable, os.path.abspath(__file__)],
+                      init_timeout_s=120, out=log,
+                      extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch" else None)
+  if rc != 0:
+    raise RuntimeError(f"{mode} workers failed (exit {rc}); see the log above")
+  with open(path) as f:
+    rows = json.load(f)
+  os.remove(path)
+  return rows
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="ResNet-50 size at 1gbit only, 3 reps, no torch")
+  ap.add_argument("--rates", default="1gbit,200mbit")
+  ap.add_argument("--sizes", default="resnet50,transformer_base")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--mode", choices=("driver", "jax", "torch"), default="driver",
+                  help=argparse.SUPPRESS)
+  ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_comm.json"))
+  args = ap.parse_args(argv)
+  if args.mode == "jax":
+    jax_worker(args)
+    return 0
+  if args.mode == "torch":
+    torch_worker(args)
+    return 0
+  if args.quick:
+    args.rates, args.sizes, args.reps, args.no_torch = "1gbit", "resnet50", 3, True
+  for s in args.sizes.split(","):
+    if s not in SIZES:
+      ap.error(f"unknown size {s!r}; allowed: {sorted(SIZES)}")
+  if args.reps < 1:
+    ap.error(f"--reps must be >= 1, got {args.reps}")
+  from sparsejax import cluster
+  rates = [(r, cluster.parse_rate(r)) for r in args.rates.split(",")]
+  log = sys.stdout
+  rows = []
+  for rate_name, bps in rates:
+    with cluster.EmulatedCluster(NODES, bps) as c:
+      for mode in ("jax",) + (() if args.no_torch else ("torch",)):
+        for r in run_on_cluster(c, mode, args, log):
+          r.update(rate=rate_name, rate_bps=bps)
+          egress = r["node_egress_bytes"] or 0
+          r["link_bound_s"] = egress * 8 / bps
+          rows.append(r)
+  table = make_table(rows)
+  print(table)
+  meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "nodes": NODES,
+          "procs_per_node": PROCS, "reps": args.reps,
+          "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  for path, data in ((args.out, json.dumps({"meta": meta, "results": rows}, indent=1)),
+                     (os.path.splitext(args.out)[0] + ".md", table + "\n")):
+    with open(path + ".tmp", "w") as f:
+      f.write(data)
+    os.replace(path + ".tmp", path)
+  plot(rows, os.path.splitext(args.out)[0] + ".png")
+  print(f"wrote {args.out}")
+  return 0
+
+
+def make_table(rows: list[dict]) -> str:
+  lines = ["| rate | size | algorithm | median s | q1-q3 s | node egress MB | link bound s | "
+           "vs dense |", "|---|---|---|---:|---:|---:|---:|---:|"]
+  dense = {(r["rate"], r["size"]): r["median_s"] for r in rows if r["algorithm"] == "dense"}
+  for r in rows:
+    base = dense.get((r["rate"], r["size"]))
+    ratio = f"{base / r['median_s']:.1f}x" if base else "-"
+    lines.append(f"| {r['rate']} | {r['size']} | {r['algorithm']} | {r['median_s']:.3f} | "
+                 f"{r['q1_s']:.3f}-{r['q3_s']:.3f} | {(r['node_egress_bytes'] or 0) / 1e6:.2f} | "
+                 f"{r['link_bound_s']:.3f} | {ratio} |")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ModuleNotFoundError:
+    print("matplotlib not installed: no plot")
+    return
+  groups = sorted({(r["rate"], r["size"]) for r in rows})
+  fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+  for ax, (rate, size) in zip(axes[0], groups):
+    sel = [r for r in rows if r["rate"] == rate and r["size"] == size]
+    ax.barh([r["algorithm"] for r in sel], [r["median_s"] for r in sel], color="tab:blue",
+            label="measured (median)")
+    ax.barh([r["algorithm"] for r in sel], [r["link_bound_s"] for r in sel], color="tab:orange",
+            alpha=0.6, label="inter-node bytes at link rate")
+    ax.set_xscale("log")
+    ax.set_title(f"{size} at {rate}")
+    ax.set_xlabel("seconds per exchange")
+  axes[0][0].legend(loc="lower right", fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
