@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from results_io import write_results  # noqa: E402
+
 SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544}
 DENSITIES = (0.01, 0.001)
 NODES, PROCS = 2, 2
@@ -63,6 +65,26 @@ def _stats(times: list[float]) -> dict[str, float]:
           "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
 
 
+def time_exchange(call, barrier, reps: int, measure_link: bool, **labels) -> dict:
+  """Times `call()` `reps` times, each after `barrier()`; with `measure_link`, the bytes this
+  node sent over its link during the calls (tc), per call."""
+  times, sent = [], 0
+  for _ in range(reps):
+    barrier()
+    before = _tc_sent_bytes() if measure_link else 0
+    t0 = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - t0)
+    sent += (_tc_sent_bytes() - before) if measure_link else 0
+  return {**labels, **_stats(times), "node_egress_bytes": sent / reps if measure_link else None}
+
+
+def _report(rank: int, row: dict, results: list[dict]) -> None:
+  if rank == 0:
+    print(json.dumps(row), flush=True)
+  results.append(row)
+
+
 # ----------------------------------------------------------------------------- JAX worker
 
 def jax_worker(args) -> None:
@@ -75,24 +97,26 @@ def jax_worker(args) -> None:
   from sparsejax import comm, topk
   from sparsejax.train.mesh import WORKERS, make_mesh
 
-  mesh = make_mesh(NODES, PROCS)
+  per_node = jax.device_count() // NODES  # workers per node (processes x devices per process)
+  mesh = make_mesh(NODES, per_node)
   spec = NamedSharding(mesh, P(WORKERS))
   rank, local_rank = jax.process_index(), int(os.environ["SPARSEJAX_LOCAL_RANK"])
   measure_link = local_rank == 0  # one process per node reads its node's tc counter
   barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, WORKERS), mesh=mesh,
                                   in_specs=P(WORKERS), out_specs=P()))
-  token = jax.make_array_from_process_local_data(spec, np.ones(1, np.float32))
+  token = jax.make_array_from_process_local_data(
+      spec, np.ones(jax.local_device_count(), np.float32))
   results = []
   for size_name in args.sizes.split(","):
     n = SIZES[size_name]
-    n -= n % PROCS
-    local = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
-    x = jax.make_array_from_process_local_data(spec, local)
+    n -= n % per_node
+    mine = np.random.default_rng(rank).standard_normal(jax.local_device_count() * n)
+    x = jax.make_array_from_process_local_data(spec, mine.astype(np.float32))
     algos = {"dense": lambda v: comm.dense_allreduce(v, axes=WORKERS),
              "hierarchical": lambda v: comm.hierarchical_allreduce(v, node_axis="node",
                                                                    local_axis="local")}
     for d in DENSITIES:
-      k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / PROCS))
+      k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / per_node))
       algos[f"allgather-{d}"] = (lambda v, k=k_all: comm.topk_allgather(
           v, k, axes=WORKERS, select=topk.mstopk)[0])
       algos[f"hitopk-{d}"] = (lambda v, k=k_shard: comm.hitopk_allreduce(
@@ -101,19 +125,9 @@ def jax_worker(args) -> None:
       f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(WORKERS), out_specs=P(WORKERS),
                                 check_vma=False))
       jax.block_until_ready(f(x))  # compile + warm-up
-      times, sent = [], 0
-      for _ in range(args.reps):
-        jax.block_until_ready(barrier(token))
-        before = _tc_sent_bytes() if measure_link else 0
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-        sent += (_tc_sent_bytes() - before) if measure_link else 0
-      row = {"size": size_name, "n": n, "algorithm": name, **_stats(times),
-             "node_egress_bytes": sent / args.reps if measure_link else None}
-      if rank == 0:
-        print(json.dumps(row), flush=True)
-      results.append(row)
+      _report(rank, time_exchange(lambda f=f, x=x: jax.block_until_ready(f(x)),
+                                  lambda: jax.block_until_ready(barrier(token)), args.reps,
+                                  measure_link, size=size_name, n=n, algorithm=name), results)
   if rank == 0:
     with open(args.worker_out, "w") as f:
       json.dump(results, f)
@@ -166,25 +180,14 @@ def torch_worker(args) -> None:
     n = SIZES[size_name]
     buf = torch.from_numpy(np.random.default_rng(rank).standard_normal(n).astype(np.float32))
     tests = {"torch-allreduce": lambda b=buf: dist.all_reduce(b)}
-    if size_name == "resnet50":
+    if size_name == "resnet50" and args.powersgd:
       tests["torch-powersgd"] = _powersgd_step(
           [tuple(s.shape) or (1,) for s in jax.tree.leaves(param_trees.TREES["resnet50"]())])
     for name, fn in tests.items():
       for _ in range(3):  # warm-up (PowerSGD starts compressing at its 2nd iteration)
         fn()
-      times, sent = [], 0
-      for _ in range(args.reps):
-        dist.barrier()
-        before = _tc_sent_bytes() if measure_link else 0
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        sent += (_tc_sent_bytes() - before) if measure_link else 0
-      row = {"size": size_name, "n": n, "algorithm": name, **_stats(times),
-             "node_egress_bytes": sent / args.reps if measure_link else None}
-      if rank == 0:
-        print(json.dumps(row), flush=True)
-      results.append(row)
+      _report(rank, time_exchange(fn, dist.barrier, args.reps, measure_link, size=size_name,
+                                  n=n, algorithm=name), results)
   if rank == 0:
     with open(args.worker_out, "w") as f:
       json.dump(results, f)
@@ -198,8 +201,10 @@ def run_on_cluster(c, mode: str, args, log) -> list[dict]:
   with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
     path = f.name
   argv = ["--mode", mode, "--reps", str(args.reps), "--sizes", args.sizes,
-          "--worker-out", path]
-  rc = cluster.launch(argv, nodes=NODES, procs_per_node=PROCS, devices_per_proc=1,
+          "--worker-out", path] + (["--powersgd"] if args.powersgd else [])
+  procs = PROCS if mode == "torch" else args.procs_per_node  # torch: one CPU device a process
+  devices = PROCS // procs
+  rc = cluster.launch(argv, nodes=NODES, procs_per_node=procs, devices_per_proc=devices,
                       cluster=c, program=[sys.executable, os.path.abspath(__file__)],
                       init_timeout_s=120, out=log,
                       extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch" else None)
@@ -219,6 +224,12 @@ def main(argv=None) -> int:
   ap.add_argument("--sizes", default="resnet50,transformer_base")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--powersgd", action="store_true",
+                  help="also time DDP's PowerSGD hook (hangs on the emulated cluster here: see "
+                       "the README)")
+  ap.add_argument("--procs-per-node", type=int, default=PROCS, choices=(1, PROCS),
+                  help="JAX processes per node: 2 (1 device each; intra-node traffic over "
+                       "gloo on loopback) or 1 (2 devices; intra-node collectives in-process)")
   ap.add_argument("--mode", choices=("driver", "jax", "torch"), default="driver",
                   help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -245,21 +256,18 @@ def main(argv=None) -> int:
     with cluster.EmulatedCluster(NODES, bps) as c:
       for mode in ("jax",) + (() if args.no_torch else ("torch",)):
         for r in run_on_cluster(c, mode, args, log):
-          r.update(rate=rate_name, rate_bps=bps)
+          r.update(rate=rate_name, rate_bps=bps,
+                   layout=f"{NODES}x{args.procs_per_node if mode == 'jax' else PROCS}x"
+                          f"{PROCS // args.procs_per_node if mode == 'jax' else 1}")
           egress = r["node_egress_bytes"] or 0
           r["link_bound_s"] = egress * 8 / bps
           rows.append(r)
   table = make_table(rows)
   print(table)
   meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "nodes": NODES,
-          "procs_per_node": PROCS, "reps": args.reps,
+          "jax_procs_per_node": args.procs_per_node, "reps": args.reps,
           "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  for path, data in ((args.out, json.dumps({"meta": meta, "results": rows}, indent=1)),
-                     (os.path.splitext(args.out)[0] + ".md", table + "\n")):
-    with open(path + ".tmp", "w") as f:
-      f.write(data)
-    os.replace(path + ".tmp", path)
+  write_results(args.out, {"meta": meta, "results": rows}, table)
   plot(rows, os.path.splitext(args.out)[0] + ".png")
   print(f"wrote {args.out}")
   return 0

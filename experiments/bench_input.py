@@ -23,7 +23,6 @@ Medians of `--runs` runs (each cold run with a fresh cache directory). Writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -34,6 +33,7 @@ import time
 
 import grain
 import numpy as np
+from results_io import write_results
 
 from sparsejax.data import RemoteSource, TieredCache
 from sparsejax.data import images as image_ops
@@ -147,16 +147,11 @@ def main(argv=None) -> int:
           "mean_jpeg_kb": mean_kb, "latency_s": LATENCY_S, "bandwidth_bytes_per_s": BANDWIDTH,
           "threads": args.threads, "runs": args.runs,
           "command": " ".join(["python", "experiments/bench_input.py"] + sys.argv[1:])}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   payload = {"meta": meta, "epochs": results, "per_core": core,
              "warm_memory_over_cold": med["memory (3rd+ epoch)"] / cold,
              "warm_disk_over_cold": med["disk (2nd epoch, new process)"] / cold,
              "predecoded_over_jpeg_per_core": cmed["pre-decoded 160 px + crop to 128"] / jpeg}
-  for path, data in ((args.out, json.dumps(payload, indent=1)),
-                     (os.path.splitext(args.out)[0] + ".md", text + "\n")):
-    with open(path + ".tmp", "w") as f:
-      f.write(data)
-    os.replace(path + ".tmp", path)
+  write_results(args.out, payload, text)
   print(f"wrote {args.out}")
   return 0
 

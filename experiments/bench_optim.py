@@ -23,7 +23,6 @@ table next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import param_trees  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 from sparsejax import hlo, optim  # noqa: E402
 
@@ -155,13 +155,7 @@ def main() -> None:
   meta = {"jax": jax.__version__, "optax": optax.__version__, "backend": jax.default_backend(),
           "cpu_count": os.cpu_count(), "machine": platform.machine(), "runs": runs,
           "command": " ".join(["python", "experiments/bench_optim.py"] + sys.argv[1:])}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  for path, payload in ((args.out, json.dumps({"meta": meta, "results": rows}, indent=1)),
-                        (os.path.splitext(args.out)[0] + ".md", text + "\n")):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.write(payload)
-    os.replace(tmp, path)
+  write_results(args.out, {"meta": meta, "results": rows}, text)
   print(f"wrote {args.out}")
 
 

@@ -21,7 +21,6 @@ Writes JSON and a markdown table next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from results_io import write_results
 
 from sparsejax import models
 from sparsejax.train import config as config_lib
@@ -167,13 +167,7 @@ def main(argv=None) -> int:
           "model": args.model, "dtype": args.dtype, "batch": args.batch, "size": args.size,
           "num_filters": args.num_filters, "steps": args.steps, "warmup": args.warmup,
           "command": " ".join(["python", "experiments/bench_step.py"] + sys.argv[1:])}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  for path, payload in ((args.out, json.dumps({"meta": meta, "results": rows}, indent=1)),
-                        (os.path.splitext(args.out)[0] + ".md", text + "\n")):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.write(payload)
-    os.replace(tmp, path)
+  write_results(args.out, {"meta": meta, "results": rows}, text)
   print(f"wrote {args.out}")
   return 0
 

@@ -16,7 +16,6 @@ Writes JSON (every measurement) and a markdown table of ratios to lax.top_k next
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from results_io import write_results
 
 from sparsejax import topk
 
@@ -161,12 +161,6 @@ def main(argv=None) -> int:
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
           "machine": platform.machine(), "python": sys.version.split()[0], "runs": runs,
           "command": " ".join(["python", "experiments/bench_topk.py"] + sys.argv[1:])}
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  tmp = args.out + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump({"meta": meta, "results": rows, "compaction": {"n": n, "k": k, **compaction}}, f,
-              indent=1)
-  os.replace(tmp, args.out)
 
   lines = [f"{jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}", "",
            "| n | input | density | floor ms | mstopk ms | vs lax.top_k | x floor | recall |"
@@ -186,10 +180,8 @@ def main(argv=None) -> int:
     lines.append(f"| {name} | {c['median_s']*1e3:.2f} | {c['exact_count']} | {c['recall']:.4f} |")
   text = "\n".join(lines)
   print(text)
-  md = os.path.splitext(args.out)[0] + ".md"
-  with open(md + ".tmp", "w") as f:
-    f.write(text + "\n")
-  os.replace(md + ".tmp", md)
+  write_results(args.out, {"meta": meta, "results": rows,
+                           "compaction": {"n": n, "k": k, **compaction}}, text)
   print(f"\nwrote {args.out}")
   return 0
 

@@ -46,6 +46,17 @@ def run_workers(mesh: Mesh, fn, *stacked):
   return jax.tree.map(np.asarray, out)
 
 
+def override(config, changes: dict):
+  """Sets dotted keys (`"optimizer.name": "lars"`) on a ConfigDict in place; returns it."""
+  for key, value in changes.items():
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
 @pytest.fixture
 def rng(request):
   """A fresh generator per test, seeded from the test's name (reproducible, not shared)."""

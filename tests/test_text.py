@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import override
 
 from sparsejax.data import inputs, text
 from sparsejax.train import config as config_lib
@@ -83,20 +84,14 @@ def test_pack_concatenates_with_end_of_document_and_cuts_rows():
 
 
 def lm_config(tmp_path, **changes):
-  config = config_lib.default_config()
-  for key, value in {"data.name": "kjv", "data.seq_len": 24, "data.vocab_size": 512,
-                     "data.cache_dir": str(tmp_path / "cache"), "model.name": "transformer_lm",
-                     "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 48,
-                     "model.num_layers": 1, "mesh.nodes": 2, "mesh.local": 4,
-                     "batch_size": 16, "num_epochs": 0.001, "log_every_steps": 1,
-                     "optimizer.name": "adamw", "optimizer.learning_rate": 3e-3,
-                     "compression.density": 0.05, **changes}.items():
-    node = config
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return config
+  """A 1-layer Transformer LM on KJV with a 512-piece BPE, 2 x 4 devices, 4 steps."""
+  return override(config_lib.default_config(), {
+      "data.name": "kjv", "data.seq_len": 24, "data.vocab_size": 512,
+      "data.cache_dir": str(tmp_path / "cache"), "model.name": "transformer_lm",
+      "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 48, "model.num_layers": 1,
+      "mesh.nodes": 2, "mesh.local": 4, "batch_size": 16, "num_epochs": 0.001,
+      "log_every_steps": 1, "optimizer.name": "adamw", "optimizer.learning_rate": 3e-3,
+      "compression.density": 0.05, **changes})
 
 
 def test_text_inputs_batches_are_shifted_token_sequences(tmp_path):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, override
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,13 +33,7 @@ def small_config(**changes):
   config.checkpoint_every_steps = 10
   config.compression.warmup_epochs = 1.0
   config.data.resize_schedule = ((0, 8), (1, 12))  # progressive resizing: 8 px, then 12 px
-  for key, value in changes.items():
-    node = config
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
-  return config
+  return override(config, changes)
 
 
 def read_csv(path):
