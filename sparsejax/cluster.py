@@ -90,7 +90,24 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     _wait_for(coordinator, timeout_s)
   jax.distributed.initialize(coordinator, num_processes, process_id,
                              initialization_timeout=timeout_s)
+  _connect_all()
   return True
+
+
+def _connect_all() -> None:
+  """One tiny all-reduce over every device, right after start-up while the processes are in step:
+  XLA's CPU backend builds its gloo context for a device set at the first collective and gives
+  up after 30 s, which a process still compiling a large program can miss; the context is then
+  cached for the training step's collectives over the same devices."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((jax.device_count(),), ("all",))
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("all")),
+                                             np.ones(jax.local_device_count(), np.float32))
+  jax.block_until_ready(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x))
 
 
 def _wait_for(address: str, timeout_s: float) -> None:

@@ -174,15 +174,14 @@ def test_quickstart_as_two_nodes_of_four_devices_equals_one_process_of_eight(tmp
   """2 processes x 4 devices (jax.distributed, gloo) vs the CLI in one process that creates its
   own 8 CPU devices: the same loss trajectory to rtol 1e-5."""
   overrides = ["--set", "num_epochs=0.5", "--set", "log_every_steps=1", "--no-progress"]
-  single = subprocess.Popen([sys.executable, "-m", "sparsejax.cli", "train", QUICKSTART,
-                             "--workdir", str(tmp_path / "single"), *overrides], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   out = io.StringIO()
   rc = cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "multi"), *overrides],
                       nodes=2, procs_per_node=1, devices_per_proc=4, init_timeout_s=120, out=out)
-  single_out, _ = single.communicate(timeout=600)
-  assert single.returncode == 0, single_out[-3000:]
   assert rc == 0, out.getvalue()[-3000:]
+  single = subprocess.run([sys.executable, "-m", "sparsejax.cli", "train", QUICKSTART,
+                           "--workdir", str(tmp_path / "single"), *overrides], env=_env(),
+                          capture_output=True, text=True, timeout=600)
+  assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
   assert "[0] final accuracy" in out.getvalue() and "[1] final accuracy" not in out.getvalue()
   a = read_losses(tmp_path / "single" / "train.csv")
   b = read_losses(tmp_path / "multi" / "train.csv")
