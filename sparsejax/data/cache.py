@@ -122,8 +122,9 @@ class _DiskTier:
   among the records this process knows of (those it found at start, wrote or read).
   """
 
-  def __init__(self, root: str, identity: str, budget: int):
+  def __init__(self, root: str, identity: str, budget: int, lock: threading.Lock):
     self.root, self.budget = root, budget
+    self.lock = lock  # guards `known`; file reads and decoding happen outside it
     self.dir = os.path.join(root, identity)
     self.enabled = True
     self.full = False
@@ -205,10 +206,11 @@ class _DiskTier:
     except records.CorruptRecord:
       self._remove(path)
       return "corrupt", None
-    if path in self.known:
-      self.known.move_to_end(path)
-    else:
-      self.known[path] = len(blob)
+    with self.lock:
+      if path in self.known:
+        self.known.move_to_end(path)
+      else:
+        self.known[path] = len(blob)
     return "hit", value
 
   def _remove(self, path: str) -> bool:
@@ -216,9 +218,11 @@ class _DiskTier:
       size = os.stat(path).st_size
       os.remove(path)
     except FileNotFoundError:
-      self.known.pop(path, None)
+      with self.lock:
+        self.known.pop(path, None)
       return False
-    self.known.pop(path, None)
+    with self.lock:
+      self.known.pop(path, None)
     with self._locked_usage() as usage:
       usage.write(usage.read() - size)
     return True
@@ -327,7 +331,7 @@ class TieredCache:
     self._lock = threading.Lock()
     self._memory = _MemoryTier(self.memory_bytes)
     self._disk = (None if self.disk_dir is None
-                  else _DiskTier(self.disk_dir, self.identity, self.disk_bytes))
+                  else _DiskTier(self.disk_dir, self.identity, self.disk_bytes, self._lock))
     if self._disk is not None:
       self._disk.open()
       weakref.finalize(self, self._disk.close)
@@ -361,8 +365,7 @@ class TieredCache:
       return value
     disk = self._disk if self._disk is not None and self._disk.enabled else None
     if disk is not None:
-      with self._lock:
-        status, value = disk.read(i)
+      status, value = disk.read(i)  # the file read and decode run outside the lock
       if status == "hit":
         self._counters.add(memory_misses=1, disk_hits=1)
         self._remember(i, value)
