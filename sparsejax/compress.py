@@ -90,7 +90,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
   select = topk_lib.get_selector(selector)
   sparse = algorithm in ("hitopk", "allgather")
-  levels = density_levels(density) if density_schedule is not None else (float(density),)
+  if not sparse:  # everything is sent: density 1, whatever the schedule says
+    levels: tuple[float, ...] = (1.0,)
+  elif density_schedule is not None:
+    levels = density_levels(density)
+  else:
+    levels = (float(density),)
   axes = (node_axis, local_axis)
 
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:

@@ -98,6 +98,19 @@ def test_density_schedule_switches_levels(rng):
   assert 0 < nz <= 8 * max(1, round(0.01 * n))
 
 
+@pytest.mark.parametrize("algorithm", ["dense", "hierarchical"])
+def test_dense_algorithms_ignore_density_and_its_schedule(rng, algorithm):
+  """The uncompressed baselines send everything: density 1 whatever the config says."""
+  sched = optax.piecewise_constant_schedule(0.25, {1: 0.01})
+  tx = topk_allreduce(0.01, algorithm=algorithm, density_schedule=sched)
+  g = [grads_like(rng, 8) for _ in range(2)]
+  outs, state = run_steps(make_mesh(2, 4), tx, g)
+  for step in range(2):
+    for name, leaf in g[step].items():
+      np.testing.assert_allclose(outs[step][name][0], leaf.mean(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(state.density, 1.0)
+
+
 def test_state_is_a_named_tuple_and_jits(rng):
   tx = topk_allreduce(0.1)
   (out,), state = run_steps(make_mesh(2, 4), tx, [grads_like(rng, 8)])
