@@ -1,0 +1,409 @@
+"""An alpha-beta communication model plus a compute model: checked on the emulated cluster, then
+projected to the paper's cluster (1..16 nodes x 8 V100, 25 Gbit/s Ethernet).
+
+  python experiments/scaling_model.py [--comm experiments/results/bench_comm.json]
+                                      [--out experiments/results/scaling_model.json]
+
+The model (one training iteration = compute + the gradient exchange, nothing overlapped unless
+said): every collective is a ring over its group. A ring all-reduce of B bytes over G workers
+takes 2(G-1) steps of latency alpha and puts 2(G-1)/G * B on every link of the ring; a
+reduce-scatter (G-1) steps and (G-1)/G * B; an all-gather of a piece of b bytes per worker
+(G-1) steps and (G-1) * b. With G workers per node placed next to each other, a ring over all
+workers crosses each node's network link once in each direction; G rings that each span the
+nodes (one per local rank: HiTopKComm's and the hierarchical all-reduce's inter-node step) share
+that link. Time = latency + bytes / bandwidth of the slowest link the bytes cross. On top:
+
+  dense         ring all-reduce over all workers (what NCCL's flat ring does);
+  dense+overlap the same, ideally hidden behind the backward pass (2/3 of compute): a lower
+                bound on any dense system's iteration;
+  allgather-D   MSTopK over the whole gradient, ring all-gather of k (value, index) pairs per
+                worker (8 bytes each), scatter-add and the residual update (memory passes);
+  hitopk-D      intra-node reduce-scatter, MSTopK on the 1/G shard, inter-node all-gather of
+                the shard's pairs (G rings at once), scatter-add, intra-node all-gather.
+
+1. Calibration on the emulated cluster (2 nodes x 2 processes x 1 CPU device, tc-limited link;
+   bench_comm's measurements). CPU processes move bytes through gloo at a limited rate, so every
+   transfer runs at min(link rate, `net_Bps`); MSTopK costs `select_s_per_value` per value;
+   elementwise passes `pass_s_per_value`; every ring step `alpha_s`. These four are fitted
+   (least squares on log time) to the ResNet-50-size rows only; the Transformer-base rows are
+   held out and predicted, which is the check (target: within 25%). The link's byte overhead
+   (Ethernet/IP/TCP headers) comes from tc's byte counters in the same runs.
+2. Projection to 16 x 8 V100 with published figures (each with its source in the table), for
+   ResNet-50 (25,557,032 parameters, fp32 gradient) at 256 images per GPU, 224 px: iteration
+   time and throughput for 1..16 nodes, and the DAWNBench recipe's 28 epochs
+   (`configs/dawnbench_resnet50.py`: 128 px for epochs 0-12, 224 px for 13-24, 288 px for
+   25-27; compute scales with pixels) next to the paper's claims (25-40% over dense systems;
+   ~151 s for 28 epochs on 128 V100s).
+
+Writes JSON, a markdown table (calibration rows, the projection, every input with its source)
+and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from results_io import write_results  # noqa: E402
+
+RESNET50 = 25_557_032
+PAIR_BYTES = 8     # float32 value + int32 index
+VALUE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """What the model needs to know about a cluster (bandwidths in bytes/s per direction)."""
+  nodes: int
+  local: int                 # workers per node
+  inter_Bps: float           # a node's network link
+  intra_Bps: float           # between workers of a node
+  inter_alpha_s: float       # latency per ring step across nodes
+  intra_alpha_s: float       # latency per ring step inside a node
+  call_s: float              # fixed cost per collective call (dispatch, synchronisation)
+  select_s: Callable[[float, int], float]  # MSTopK's seconds for (values searched, k)
+  pair_s: float              # per (value, index) pair scatter-added
+  pass_s_per_value: float    # one elementwise pass (read + write) over a float32 buffer
+
+
+def exchange_time(algorithm: str, n: int, density: float, cl: Cluster) -> dict[str, float]:
+  """Seconds per gradient exchange of `n` float32 values, by part."""
+  N, G = cl.nodes, cl.local
+  P = N * G
+  S = n * VALUE_BYTES
+  parts: dict[str, float] = {}
+
+  def ring(name: str, group: int, spans: bool, steps: int, link_bytes: float) -> None:
+    if group <= 1:
+      return
+    bw = cl.inter_Bps if spans else cl.intra_Bps
+    alpha = cl.inter_alpha_s if spans else cl.intra_alpha_s
+    parts[name] = parts.get(name, 0.0) + cl.call_s + steps * alpha + link_bytes / bw
+
+  if algorithm == "dense":
+    ring("allreduce", P, N > 1, 2 * (P - 1), 2 * (P - 1) / P * S)
+  elif algorithm == "hierarchical":
+    ring("intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
+    ring("inter_allreduce", N, True, 2 * (N - 1), G * 2 * (N - 1) / N * S / G)
+    ring("intra_allgather", G, False, G - 1, (G - 1) / G * S)
+  elif algorithm == "allgather":
+    k = max(1, round(density * n))
+    parts["select"] = cl.select_s(n, k)
+    ring("allgather", P, N > 1, P - 1, (P - 1) * k * PAIR_BYTES)
+    # residual add, zero fill, residual update; P * k pairs scatter-added
+    parts["passes"] = 3 * cl.pass_s_per_value * n + cl.pair_s * P * k
+  elif algorithm == "hitopk":
+    shard = n / G
+    k = max(1, round(density * shard))
+    ring("intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
+    parts["select"] = cl.select_s(shard, k)
+    ring("inter_allgather", N, True, N - 1, G * (N - 1) * k * PAIR_BYTES)
+    parts["passes"] = 3 * cl.pass_s_per_value * shard + cl.pair_s * N * k
+    ring("intra_allgather", G, False, G - 1, (G - 1) / G * S)
+  else:
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+  parts["total"] = sum(parts.values())
+  return parts
+
+
+# --- 1. calibration on the emulated cluster -------------------------------------------------
+
+def _link_overhead(results: list[dict[str, Any]]) -> float:
+  """Bytes tc counted on the link / payload bytes of the ring formula (dense rows)."""
+  ratios = []
+  for r in results:
+    if r["algorithm"] == "dense":
+      payload = 2 * 3 / 4 * r["n"] * VALUE_BYTES  # 4 workers, one crossing per direction
+      ratios.append(r["node_egress_bytes"] / payload)
+  return float(np.median(ratios))
+
+
+def _parse_algorithm(name: str) -> tuple[str, float]:
+  if "-" in name:
+    base, d = name.rsplit("-", 1)
+    return base, float(d)
+  return name, 1.0
+
+
+def cpu_select(topk_results: list[dict[str, Any]]) -> Callable[[float, int], float]:
+  """MSTopK's time on this CPU (one process, bench_topk.json, gaussian input), interpolated
+  log-log in n and in density between the measured points."""
+  pts = {(r["n"], r["density"]): r["methods"]["mstopk"]["median_s"] for r in topk_results
+         if r["input"] == "gaussian"}
+  ns = sorted({n for n, _ in pts})
+  ds = sorted({d for _, d in pts})
+
+  def interp(x, xs, f):
+    lx = np.log(x)
+    i = int(np.clip(np.searchsorted(np.log(xs), lx) - 1, 0, len(xs) - 2))
+    t = (lx - np.log(xs[i])) / (np.log(xs[i + 1]) - np.log(xs[i]))
+    return float(np.exp((1 - t) * np.log(f(xs[i])) + t * np.log(f(xs[i + 1]))))
+
+  def select(n: float, k: int) -> float:
+    d = k / n
+    return interp(n, ns, lambda nn: interp(d, ds, lambda dd: pts[(nn, dd)]))
+  return select
+
+
+def emulated_cluster(params: np.ndarray, rate_bps: float, overhead: float,
+                     select: Callable[[float, int], float]) -> Cluster:
+  call, net, share, pair, pas = np.exp(params)
+  link = rate_bps / 8 / overhead
+  return Cluster(nodes=2, local=2, inter_Bps=min(link, net), intra_Bps=net,
+                 inter_alpha_s=0.0, intra_alpha_s=0.0, call_s=call,
+                 select_s=lambda n, k: share * select(n, k), pair_s=pair, pass_s_per_value=pas)
+
+
+def calibrate(results: list[dict[str, Any]], topk_results: list[dict[str, Any]]
+              ) -> dict[str, Any]:
+  """Fits the five CPU-cluster parameters to the ResNet-50 rows; predicts every row."""
+  from scipy.optimize import least_squares
+
+  rows = [r for r in results if r["algorithm"] in
+          ("dense", "hierarchical", "allgather-0.01", "allgather-0.001", "hitopk-0.01",
+           "hitopk-0.001")]
+  overhead = _link_overhead(rows)
+  select = cpu_select(topk_results)
+
+  def predict(params, r):
+    alg, d = _parse_algorithm(r["algorithm"])
+    return exchange_time(alg, r["n"], d,
+                         emulated_cluster(params, r["rate_bps"], overhead, select))
+
+  fit_rows = [r for r in rows if r["size"] == "resnet50"]
+
+  def residuals(params):
+    return [math.log(predict(params, r)["total"] / r["median_s"]) for r in fit_rows]
+
+  # start: 10 ms per collective, 100 MB/s through gloo, MSTopK 2x slower than alone (4 processes on
+  # 2 cores), 10 ns per pair, 1 ns per pass value
+  x0 = np.log([1e-2, 1e8, 2.0, 1e-8, 1e-9])
+  fit = least_squares(residuals, x0)
+  call, net, share, pair, pas = np.exp(fit.x)
+  out = []
+  for r in rows:
+    pred = predict(fit.x, r)
+    out.append({"rate": r["rate"], "size": r["size"], "algorithm": r["algorithm"],
+                "measured_s": r["median_s"], "predicted_s": pred["total"],
+                "error": pred["total"] / r["median_s"] - 1,
+                "held_out": r["size"] != "resnet50",
+                "parts": {k: v for k, v in pred.items() if k != "total"}})
+  held = [abs(o["error"]) for o in out if o["held_out"]]
+  return {"params": {"call_s": call, "net_Bps": net, "select_slowdown": share,
+                     "pair_s": pair, "pass_s_per_value": pas, "link_overhead": overhead},
+          "rows": out, "held_out_max_abs_error": max(held),
+          "held_out_median_abs_error": float(np.median(held)),
+          "fit_max_abs_error": max(abs(o["error"]) for o in out if not o["held_out"])}
+
+
+# --- 2. projection to the paper's cluster ----------------------------------------------------
+
+# Each input with its source. Bandwidths in bytes/s per direction.
+SOURCES = {
+    "v100_images_per_s": (
+        1200.0, "ResNet-50 v1.5 training, 1x V100 16GB, mixed precision, 256 images/GPU: NVIDIA "
+        "DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md "
+        "(DGX-1 table, NGC 21.03)"),
+    "inter_Bps": (
+        25e9 / 8 * 0.9, "25 Gbit/s Ethernet (the paper's cloud nodes) at 90% goodput: "
+        "Ethernet/IP/TCP headers of 1500-byte frames cost ~5%, the rest for NCCL's socket "
+        "transport (assumption)"),
+    "inter_alpha_s": (50e-6, "per ring step across nodes over TCP sockets (assumption: "
+                             "tens of microseconds in a cloud VPC)"),
+    "intra_Bps": (
+        100e9, "NVLink between 8 V100s: V100 SXM2's 6 links give 150 GB/s per direction (NVIDIA "
+               "V100 datasheet: 300 GB/s total); NCCL rings reach about 2/3 of it (assumption)"),
+    "intra_alpha_s": (10e-6, "per ring step over NVLink (assumption)"),
+    "call_s": (20e-6, "per collective call: a kernel launch and NCCL's set-up (assumption)"),
+    "select_fixed_s": (
+        2.22e-3, "MSTopK on one H200 (experiments/results/gpu.md, gaussian rows: 2.23/2.62 ms at "
+                 "25.6M values, 2.58/3.63 ms at 110M, densities 0.001/0.01): fixed part of a "
+                 "least-squares fit t = c + a n + b k (kernel launches: not scaled)"),
+    "select_s_per_value": (
+        2.04e-12 * 4.8 / 0.9,
+        "a of that fit, scaled by memory bandwidth, H200 4.8 TB/s over V100 0.9 TB/s (NVIDIA "
+        "datasheets)"),
+    "select_s_per_pair": (1.09e-9 * 4.8 / 0.9, "b of that fit, scaled the same way"),
+    "pair_s": (8 / 0.9e12 * 4, "a scatter-add of one pair: ~4 random 8-byte accesses at V100's "
+                               "900 GB/s (assumption)"),
+    "pass_s_per_value": (8 / 0.9e12, "one read and one write of float32 at V100's 900 GB/s "
+                                     "(NVIDIA V100 datasheet)"),
+    "paper_speedup": ((1.25, 1.40), "Shi et al., MLSys 2021: 25-40% faster than the best dense "
+                                    "systems on 16 nodes x 8 V100, 25 Gbit/s"),
+    "paper_dawnbench_s": (151.0, "the paper's DAWNBench entry: 28 epochs of ImageNet, 93% top-5, "
+                                 "about 151 s of training on 128 V100s (issue 7)"),
+}
+IMAGENET_TRAIN = 1_281_167
+STAGES = ((0, 13, 128), (13, 25, 224), (25, 28, 288))  # (first epoch, end epoch, px)
+
+
+def v100_cluster(nodes: int) -> Cluster:
+  s = {k: v for k, (v, _) in SOURCES.items()}
+  return Cluster(nodes=nodes, local=8, inter_Bps=s["inter_Bps"], intra_Bps=s["intra_Bps"],
+                 inter_alpha_s=s["inter_alpha_s"], intra_alpha_s=s["intra_alpha_s"],
+                 call_s=s["call_s"],
+                 select_s=lambda n, k: (s["select_fixed_s"] + s["select_s_per_value"] * n
+                                        + s["select_s_per_pair"] * k), pair_s=s["pair_s"],
+                 pass_s_per_value=s["pass_s_per_value"])
+
+
+def iteration(algorithm: str, nodes: int, batch_per_gpu: int, px: int) -> dict[str, float]:
+  """Predicted seconds per iteration of ResNet-50 on `nodes` x 8 V100."""
+  compute = batch_per_gpu / SOURCES["v100_images_per_s"][0] * (px / 224) ** 2
+  cl = v100_cluster(nodes)
+  if algorithm in ("dense", "dense+overlap"):
+    comm = exchange_time("dense", RESNET50, 1.0, cl)["total"]
+  else:
+    alg, d = _parse_algorithm(algorithm)
+    comm = exchange_time(alg, RESNET50, d, cl)["total"]
+  if algorithm == "dense+overlap":
+    total = compute / 3 + max(2 * compute / 3, comm)
+  else:
+    total = compute + comm
+  return {"compute_s": compute, "comm_s": comm, "iteration_s": total,
+          "images_per_s": nodes * 8 * batch_per_gpu / total}
+
+
+PROJECTED = ("dense", "dense+overlap", "allgather-0.001", "hitopk-0.01", "hitopk-0.001")
+
+
+def project(batch_per_gpu: int) -> dict[str, Any]:
+  rows = []
+  for nodes in (1, 2, 4, 8, 16):
+    for alg in PROJECTED:
+      rows.append({"nodes": nodes, "gpus": nodes * 8, "algorithm": alg,
+                   **iteration(alg, nodes, batch_per_gpu, 224)})
+  dawn = {}
+  global_batch = 16 * 8 * batch_per_gpu
+  for alg in PROJECTED:
+    seconds = 0.0
+    for first, end, px in STAGES:
+      steps = (end - first) * IMAGENET_TRAIN / global_batch
+      seconds += steps * iteration(alg, 16, batch_per_gpu, px)["iteration_s"]
+    dawn[alg] = seconds
+  return {"rows": rows, "dawnbench_28_epochs_s": dawn}
+
+
+# --- output ---------------------------------------------------------------------------------
+
+def table(cal: dict[str, Any], proj: dict[str, Any], batch: int) -> str:
+  p = cal["params"]
+  lines = [
+      "### 1. Calibration on the emulated cluster (2 nodes x 2 processes, bench_comm.json)",
+      "",
+      f"Fitted to the ResNet-50 rows: {p['call_s'] * 1e3:.0f} ms per collective call, gloo "
+      f"throughput {p['net_Bps'] / 1e6:.0f} MB/s per process, MSTopK "
+      f"{p['select_slowdown']:.2f}x its time alone (bench_topk.json), "
+      f"{p['pair_s'] * 1e9:.0f} ns per pair scatter-added, elementwise pass "
+      f"{p['pass_s_per_value'] * 1e9:.2f} ns/value; link overhead {p['link_overhead']:.3f} "
+      "(tc bytes / payload). Transformer-base rows are held out (predicted, not fitted).",
+      "",
+      "| rate | size | algorithm | measured s | predicted s | error | held out |",
+      "|---|---|---|---:|---:|---:|---|"]
+  for r in cal["rows"]:
+    lines.append(f"| {r['rate']} | {r['size']} | {r['algorithm']} | {r['measured_s']:.3f} | "
+                 f"{r['predicted_s']:.3f} | {100 * r['error']:+.0f}% | "
+                 f"{'yes' if r['held_out'] else 'fit'} |")
+  lines += ["", f"Held-out rows: median |error| {100 * cal['held_out_median_abs_error']:.0f}%, "
+            f"max {100 * cal['held_out_max_abs_error']:.0f}% (target: within 25%); fitted rows: "
+            f"max {100 * cal['fit_max_abs_error']:.0f}%.", "",
+            f"### 2. Projection: ResNet-50 on N nodes x 8 V100, 25 Gbit/s, {batch} images/GPU, "
+            "224 px", "",
+            "| nodes | GPUs | " + " | ".join(PROJECTED) + " | hitopk-0.001 vs dense | "
+            "vs dense+overlap |",
+            "|---:|---:|" + "---:|" * (len(PROJECTED) + 2)]
+  for nodes in (1, 2, 4, 8, 16):
+    by = {r["algorithm"]: r for r in proj["rows"] if r["nodes"] == nodes}
+    cells = [f"{by[a]['images_per_s']:,.0f} img/s ({by[a]['iteration_s'] * 1e3:.0f} ms)"
+             for a in PROJECTED]
+    h = by["hitopk-0.001"]["images_per_s"]
+    lines.append(f"| {nodes} | {nodes * 8} | " + " | ".join(cells) +
+                 f" | {h / by['dense']['images_per_s']:.2f}x | "
+                 f"{h / by['dense+overlap']['images_per_s']:.2f}x |")
+  d = proj["dawnbench_28_epochs_s"]
+  lines += ["", "DAWNBench recipe, 28 epochs on 16 x 8 V100 (training only, no evaluation or "
+            "input pipeline): " + ", ".join(f"{a} {s:.0f} s" for a, s in d.items()) +
+            f"; the paper: ~{SOURCES['paper_dawnbench_s'][0]:.0f} s.", "",
+            "Inputs:", "", "| input | value | source |", "|---|---|---|"]
+  for k, (v, src) in SOURCES.items():
+    lines.append(f"| {k} | {v if isinstance(v, tuple) else f'{v:.4g}'} | {src} |")
+  return "\n".join(lines)
+
+
+def plot(cal: dict[str, Any], proj: dict[str, Any], png: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for held, marker in ((False, "o"), (True, "s")):
+    rs = [r for r in cal["rows"] if r["held_out"] == held]
+    a.scatter([r["measured_s"] for r in rs], [r["predicted_s"] for r in rs], marker=marker,
+              label="held out (Transformer-base)" if held else "fitted (ResNet-50)")
+  lim = [0.3, 20]
+  a.plot(lim, lim, "k-", lw=0.8)
+  a.fill_between(lim, [x * 0.75 for x in lim], [x * 1.25 for x in lim], color="grey", alpha=0.2,
+                 label="+-25%")
+  a.set_xscale("log")
+  a.set_yscale("log")
+  a.set_xlabel("measured s (emulated cluster)")
+  a.set_ylabel("predicted s")
+  a.set_title("calibration: one gradient exchange")
+  a.legend(fontsize=8)
+  for alg in PROJECTED:
+    rs = [r for r in proj["rows"] if r["algorithm"] == alg]
+    b.plot([r["gpus"] for r in rs], [r["images_per_s"] for r in rs], marker="o", label=alg)
+  b.set_xscale("log", base=2)
+  b.set_xlabel("V100 GPUs (8 per node, 25 Gbit/s between nodes)")
+  b.set_ylabel("images/s (ResNet-50, predicted)")
+  b.set_title("projection")
+  b.grid(alpha=0.3)
+  b.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(png + ".tmp.png", dpi=110)
+  os.replace(png + ".tmp.png", png)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--comm", default=os.path.join(HERE, "results", "bench_comm.json"))
+  p.add_argument("--topk", default=os.path.join(HERE, "results", "bench_topk.json"))
+  p.add_argument("--batch-per-gpu", type=int, default=256)
+  p.add_argument("--out", default=os.path.join(HERE, "results", "scaling_model.json"))
+  args = p.parse_args(argv)
+  if args.batch_per_gpu < 1:
+    p.error(f"--batch-per-gpu must be >= 1, got {args.batch_per_gpu}")
+  for flag, path in (("--comm", args.comm), ("--topk", args.topk)):
+    if not os.path.exists(path):
+      p.error(f"{flag} {path!r} does not exist: run experiments/bench_{flag[2:]}.py first")
+  comm = json.load(open(args.comm))
+  cal = calibrate(comm["results"], json.load(open(args.topk))["results"])
+  proj = project(args.batch_per_gpu)
+  text = table(cal, proj, args.batch_per_gpu)
+  payload = {"command": " ".join(["python experiments/scaling_model.py", *(argv or sys.argv[1:])]),
+             "comm_source": os.path.relpath(args.comm, os.path.dirname(HERE)),
+             "calibration": cal, "projection": proj, "batch_per_gpu": args.batch_per_gpu,
+             "sources": {k: {"value": v, "source": s} for k, (v, s) in SOURCES.items()}}
+  md = write_results(args.out, payload, text)
+  plot(cal, proj, os.path.splitext(args.out)[0] + ".png")
+  print(text)
+  print(f"wrote {args.out}, {md}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,54 @@
+"""experiments/scaling_model.py: its byte model against the library's own accounting, and a run
+on the committed benchmark results."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import scaling_model as sm  # noqa: E402
+
+from sparsejax import comm  # noqa: E402
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 2), (3, 5), (16, 8)])
+@pytest.mark.parametrize("algorithm,density", [
+    ("dense", 1.0), ("hierarchical", 1.0), ("allgather", 0.003), ("hitopk", 0.0017)])
+def test_inter_node_bytes_match_the_libraries_accounting(nodes, local, algorithm, density):
+  """With only the network link costing time, time * bandwidth = the bytes on a node's link:
+  comm.wire_bytes' per-worker inter-node bytes, times the rings sharing the link."""
+  n = 1_234_567
+  bw = 1e9
+  cl = sm.Cluster(nodes=nodes, local=local, inter_Bps=bw, intra_Bps=math.inf,
+                  inter_alpha_s=0.0, intra_alpha_s=0.0, call_s=0.0,
+                  select_s=lambda n, k: 0.0, pair_s=0.0, pass_s_per_value=0.0)
+  shard = n / local if algorithm == "hitopk" else n
+  k = max(1, round(density * shard))
+  want = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local)["inter"]
+  rings = local if algorithm in ("hitopk", "hierarchical") else 1
+  got = sm.exchange_time(algorithm, n, density, cl)["total"] * bw
+  assert got == pytest.approx(want * rings, rel=1e-9)
+
+
+def test_runs_on_the_committed_results(tmp_path):
+  out = tmp_path / "scaling_model.json"
+  assert sm.main(["--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  rows = got["calibration"]["rows"]
+  assert len(rows) == 24 and sum(r["held_out"] for r in rows) == 12
+  assert all(r["predicted_s"] > 0 for r in rows)
+  proj = {(r["nodes"], r["algorithm"]): r for r in got["projection"]["rows"]}
+  # one node: no network link, so compression cannot help much; 16 nodes: it must
+  assert proj[(16, "hitopk-0.001")]["images_per_s"] > proj[(16, "dense")]["images_per_s"]
+  assert "| v100_images_per_s |" in (tmp_path / "scaling_model.md").read_text()
+
+
+def test_missing_inputs_are_named(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    sm.main(["--comm", str(tmp_path / "none.json")])
+  assert "bench_comm.py" in capsys.readouterr().err
