@@ -4,6 +4,7 @@
   sparsejax launch --nodes N --procs-per-node P [--devices-per-proc D] [--bandwidth RATE] \
       -- train CONFIG [...]
   sparsejax prepare imagenet --manual-dir DIR --data-dir DIR [--fake]
+  sparsejax prepare wmt14 --data-dir DIR
   sparsejax info [--config CONFIG]
 """
 
@@ -167,7 +168,21 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-  from sparsejax.data import imagenet
+  from sparsejax.data import imagenet, translation
+  if args.dataset == "wmt14":
+    try:
+      builder = translation.prepare_wmt14(args.data_dir)
+    except ModuleNotFoundError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    splits = {k: v.num_examples for k, v in builder.info.splits.items()}
+    print(f"{translation.WMT14} prepared under {args.data_dir}: {splits}; train with "
+          f"--set data.path={args.data_dir}")
+    return 0
+  if not args.manual_dir:
+    print("error: prepare imagenet needs --manual-dir (the directory holding "
+          "ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar)", file=sys.stderr)
+    return 2
   try:
     if args.fake:
       info = imagenet.fake_manual_dir(args.manual_dir, classes=args.fake_classes,
@@ -215,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
   la.add_argument("command_args", nargs=argparse.REMAINDER,
                   help="after --: the sparsejax command each process runs, e.g. train CONFIG")
   la.set_defaults(func=_launch)
-  p = sub.add_parser("prepare", help="prepare a dataset (ImageNet via TFDS) for training")
-  p.add_argument("dataset", choices=["imagenet"])
-  p.add_argument("--manual-dir", required=True,
-                 help="holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar")
+  p = sub.add_parser("prepare", help="prepare a dataset (ImageNet or WMT14 en-de via TFDS) for "
+                                      "training")
+  p.add_argument("dataset", choices=["imagenet", "wmt14"])
+  p.add_argument("--manual-dir",
+                 help="imagenet: holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
+                      "(wmt14 downloads its files)")
   p.add_argument("--data-dir", required=True, help="the TFDS data directory to write")
   p.add_argument("--fake", action="store_true",
                  help="first write a small generated manual download (for smoke runs)")

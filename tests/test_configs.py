@@ -7,7 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, override
 
 from sparsejax.train import config as config_lib
 from sparsejax.train import schedules
@@ -19,7 +19,25 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 
 def test_there_are_configs():
   names = {os.path.basename(p) for p in CONFIGS}
-  assert {"quickstart.py", "resnet50_imagenet.py", "dawnbench_resnet50.py"} <= names
+  assert {"quickstart.py", "resnet50_imagenet.py", "dawnbench_resnet50.py", "kjv_lm.py",
+          "transformer_wmt.py"} <= names
+
+
+def test_transformer_wmt_builds_the_base_model():
+  """The WMT config's model is Transformer-base: 60.52M parameters at 32,000 pieces (shapes
+  only; tests/test_translation.py trains the same code path at toy size)."""
+  config = config_lib.validate(config_lib.load_config(os.path.join(ROOT, "configs",
+                                                                   "transformer_wmt.py")))
+  assert config.data.name == "wmt14" and config.model.name == "transformer_base"
+  trainer = build_trainer(override(config, {"mesh.nodes": 2, "mesh.local": 4}), make_mesh(2, 4),
+                          config.data.vocab_size, steps_per_epoch=1121, total_steps=22420)
+  tokens = np.zeros((1, config.data.seq_len), np.int32)
+  shapes = jax.eval_shape(lambda: trainer.model.init(jax.random.key(0), (tokens, tokens),
+                                                     train=False))
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+  # experiments/param_trees.py's Transformer-base (60,524,544) has final LayerNorms after the
+  # encoder and decoder (2 x 1,024); post-LN, as here and in Vaswani et al., has none
+  assert params == 60_524_544 - 2 * 1024
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

@@ -162,6 +162,35 @@ def text_inputs(data_cfg: Any, batch_size: int, seed: int) -> Any:
 
 
 TEXT_DATASETS = ("kjv", "text")
+# wmt14: TFDS wmt14_translate/de-en (en -> de) under data.path; parallel: a TSV file at data.path
+TRANSLATION_DATASETS = ("wmt14", "parallel")
+
+
+def translation_inputs(data_cfg: Any, batch_size: int, seed: int) -> Any:
+  """wmt14 (TFDS, data.path = its data directory; eval on data.eval_split) or parallel (a TSV
+  file of source<TAB>target lines at data.path; every 20th pair held out): a joint BPE of
+  data.vocab_size pieces (cached), pairs cut at data.seq_len tokens."""
+  from sparsejax.data import text, translation
+  if not data_cfg.path:
+    raise ValueError(f"dataset {data_cfg.name!r} needs data.path: "
+                     + ("the TFDS data directory of `sparsejax prepare wmt14`"
+                        if data_cfg.name == "wmt14" else "a TSV file of source<TAB>target lines"))
+  if data_cfg.name == "wmt14":
+    train = translation.tfds_pairs(data_dir=data_cfg.path, split="train")
+    val = translation.tfds_pairs(data_dir=data_cfg.path, split=data_cfg.eval_split)
+  else:
+    pairs = translation.tsv_pairs(data_cfg.path)
+    train = [p for i, p in enumerate(pairs) if i % 20 != 19]
+    val = [p for i, p in enumerate(pairs) if i % 20 == 19]
+    if not val:
+      raise ValueError(f"{data_cfg.path}: {len(pairs)} pairs leave none for validation "
+                       "(every 20th is held out)")
+  tok = text.bpe_tokenizer(translation.tokenizer_corpus(train, seed=seed),
+                           vocab_size=data_cfg.vocab_size,
+                           cache_dir=data_cfg.cache_dir or "~/.cache/sparsejax")
+  return translation.TranslationInputs(
+      translation.encode_pairs(tok, train, data_cfg.seq_len),
+      translation.encode_pairs(tok, val, data_cfg.seq_len), tok.vocab_size, batch_size, seed)
 
 
 def open_inputs(config: Any) -> Inputs:
@@ -170,8 +199,10 @@ def open_inputs(config: Any) -> Inputs:
     return ImageNetInputs(config.data, config.batch_size, config.seed)
   if config.data.name in TEXT_DATASETS:
     return text_inputs(config.data, config.batch_size, config.seed)
+  if config.data.name in TRANSLATION_DATASETS:
+    return translation_inputs(config.data, config.batch_size, config.seed)
   if config.data.name not in small.DATASETS:
-    known = sorted([*small.DATASETS, "imagenet2012", *TEXT_DATASETS])
+    known = sorted([*small.DATASETS, "imagenet2012", *TEXT_DATASETS, *TRANSLATION_DATASETS])
     raise ValueError(f"unknown dataset {config.data.name!r}; allowed: {known}")
   train, test = small.load(config.data.name, seed=config.seed, path=config.data.path)
   return InMemoryInputs(train, test, config.batch_size, config.seed)

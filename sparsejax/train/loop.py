@@ -48,8 +48,9 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
     extra = {k: m[k] for k in ("d_model", "num_heads", "d_ff", "num_layers") if m[k]}
     if m.dropout >= 0:
       extra["dropout"] = m.dropout
-    if m.name == "transformer_lm":
-      extra["max_len"] = config.data.seq_len
+    # positions: a language model sees seq_len tokens, a translation model seq_len per side
+    extra["max_len"] = (config.data.seq_len if m.name == "transformer_lm"
+                        else max(256, config.data.seq_len))
   else:
     extra = {"num_filters": m.num_filters} if m.num_filters else {}
   model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
