@@ -225,8 +225,8 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--powersgd", action="store_true",
-                  help="also time DDP's PowerSGD hook (hangs on the emulated cluster here: see "
-                       "the README)")
+                  help="also time DDP's PowerSGD hook (on gloo it hangs or fails with a "
+                       "collective size mismatch: PyTorch supports it on NCCL; see the README)")
   ap.add_argument("--procs-per-node", type=int, default=PROCS, choices=(1, PROCS),
                   help="JAX processes per node: 2 (1 device each; intra-node traffic over "
                        "gloo on loopback) or 1 (2 devices; intra-node collectives in-process)")

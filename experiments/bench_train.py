@@ -19,8 +19,10 @@ momentum. Each system runs its real training step on real batches:
                 the same `Inputs` the loop uses;
   torch-ddp     PyTorch 2.13 DistributedDataParallel over gloo, one process per worker
                 (1 thread each), the same architecture and parameter count, torch.optim.SGD;
-  torch-powersgd  the same with DDP's PowerSGD hook (rank 4), only with --powersgd (it hung on
-                this emulated cluster in bench_comm).
+  torch-powersgd  the same with DDP's PowerSGD hook (rank 4), only with --powersgd: on gloo it
+                fails here with a collective size mismatch (gloo::EnforceNotMet "Received data
+                size doesn't match expected size"); PyTorch tests the hook on NCCL only
+                (pytorch/pytorch#58467).
 
 Every iteration (batch, step, wait for the result) is timed after `--warmup` iterations; samples/s
 = global batch / median iteration time. Bytes on the link: node 0's egress per step counted by
