@@ -175,10 +175,7 @@ def _prepare(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
-    splits = {k: v.num_examples for k, v in builder.info.splits.items()}
-    print(f"{translation.WMT14} prepared under {args.data_dir}: {splits}; train with "
-          f"--set data.path={args.data_dir}")
-    return 0
+    return _prepared(builder, args.data_dir)
   if not args.manual_dir:
     print("error: prepare imagenet needs --manual-dir (the directory holding "
           "ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar)", file=sys.stderr)
@@ -193,9 +190,13 @@ def _prepare(args: argparse.Namespace) -> int:
   except (FileNotFoundError, ModuleNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  return _prepared(builder, args.data_dir)
+
+
+def _prepared(builder, data_dir: str) -> int:
   splits = {k: v.num_examples for k, v in builder.info.splits.items()}
-  print(f"{imagenet.NAME} prepared under {args.data_dir}: {splits}; train with "
-        f"--set data.path={args.data_dir}")
+  print(f"{builder.info.full_name} prepared under {data_dir}: {splits}; train with "
+        f"--set data.path={data_dir}")
   return 0
 
 

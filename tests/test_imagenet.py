@@ -127,3 +127,12 @@ def test_pipeline_bad_arguments(prepared):
     pipeline.ImagePipeline(src, batch_size=2, process_index=2, process_count=2)
   with pytest.raises(ValueError, match="short_side must be a positive int"):
     pipeline.DecodedSource(src, 0)
+
+
+def test_cli_prepare_imagenet_needs_a_manual_dir(tmp_path, capsys):
+  from sparsejax import cli
+  assert cli.main(["prepare", "imagenet", "--data-dir", str(tmp_path)]) == 2
+  assert "needs --manual-dir" in capsys.readouterr().err
+  assert cli.main(["prepare", "imagenet", "--manual-dir", str(tmp_path / "none"),
+                   "--data-dir", str(tmp_path)]) == 2
+  assert "none" in capsys.readouterr().err

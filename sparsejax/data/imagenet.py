@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from sparsejax.data import prepared
+
 __all__ = ["NAME", "NUM_CLASSES", "MANUAL_FILES", "check_manual_dir", "prepare", "source",
            "fake_manual_dir", "synthetic_jpeg"]
 
@@ -50,30 +52,15 @@ def prepare(manual_dir: str, data_dir: str) -> Any:
   builder (idempotent: a prepared dataset is left alone). Returns the builder."""
   check_manual_dir(manual_dir)
   import tensorflow_datasets as tfds
-  try:
-    import tensorflow  # noqa: F401  - the builder needs it to write
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError("preparing ImageNet with TFDS needs TensorFlow: "
-                              "pip install 'sparsejax[prepare]' (tensorflow-cpu)") from e
-  builder = tfds.builder(NAME, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
-  return builder
+  return prepared.build(NAME, data_dir, download_config=tfds.download.DownloadConfig(
+      manual_dir=manual_dir))
 
 
 def source(data_dir: str, split: str) -> Any:
   """TFDS's random-access source of a prepared split, images left encoded (JPEG bytes)."""
   import tensorflow_datasets as tfds
-  try:
-    builder = tfds.builder(NAME, data_dir=data_dir, file_format="array_record")
-  except Exception as e:  # noqa: BLE001
-    raise FileNotFoundError(f"cannot open {NAME} under {data_dir!r}: {e}") from e
-  if not builder.is_prepared():
-    raise FileNotFoundError(f"{NAME} is not prepared under {data_dir!r}: run `sparsejax prepare "
-                            f"imagenet --manual-dir DIR --data-dir {data_dir}` first")
-  if split not in builder.info.splits:
-    raise ValueError(f"{NAME} under {data_dir!r} has no split {split!r}; it has "
-                     f"{sorted(builder.info.splits)}")
+  builder = prepared.open_split(NAME, data_dir, split, "sparsejax prepare imagenet --manual-dir "
+                                f"DIR --data-dir {data_dir}")
   return builder.as_data_source(split, decoders={"image": tfds.decode.SkipDecoding()})
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from sparsejax.data import prepared
 from sparsejax.data.text import BOS, EOS, Tokenizer
 
 __all__ = ["WMT14", "prepare_wmt14", "tfds_pairs", "tsv_pairs", "tokenizer_corpus",
@@ -29,15 +30,7 @@ WMT14 = "wmt14_translate/de-en"
 
 def prepare_wmt14(data_dir: str) -> Any:
   """Downloads and builds WMT14 en-de with TFDS into ArrayRecord files (idempotent)."""
-  import tensorflow_datasets as tfds
-  try:
-    import tensorflow  # noqa: F401  - the builder needs it to write
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError("preparing WMT14 with TFDS needs TensorFlow: "
-                              "pip install 'sparsejax[prepare]' (tensorflow-cpu)") from e
-  builder = tfds.builder(WMT14, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
-  return builder
+  return prepared.build(WMT14, data_dir)
 
 
 def _text(value: Any) -> str:
@@ -47,17 +40,8 @@ def _text(value: Any) -> str:
 def tfds_pairs(*, data_dir: str, split: str, name: str = WMT14, source: str = "en",
                target: str = "de") -> list[tuple[str, str]]:
   """(source, target) sentence pairs of a prepared TFDS translation dataset's split."""
-  import tensorflow_datasets as tfds
-  try:
-    builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-  except Exception as e:  # noqa: BLE001
-    raise FileNotFoundError(f"cannot open {name} under {data_dir!r}: {e}") from e
-  if not builder.is_prepared():
-    raise FileNotFoundError(f"{name} is not prepared under {data_dir!r}: run `sparsejax prepare "
-                            f"wmt14 --data-dir {data_dir}` first")
-  if split not in builder.info.splits:
-    raise ValueError(f"{name} under {data_dir!r} has no split {split!r}; it has "
-                     f"{sorted(builder.info.splits)}")
+  builder = prepared.open_split(name, data_dir, split,
+                                f"sparsejax prepare wmt14 --data-dir {data_dir}")
   for lang in (source, target):
     if lang not in builder.info.features:
       raise ValueError(f"{name} has no language {lang!r}; it has "
