@@ -20,8 +20,9 @@ training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the
 Every run writes its own workdir (`--workdir/<task>/<variant>/seed<k>`); a run whose summary is
 already there is read, not repeated, so an interrupted experiment continues where it stopped.
 Output: JSON with every curve, a markdown table (final and best metric: mean +- sample std over
-seeds, the difference to dense, bytes sent per worker) and PNG plots of the test metric against
-steps and against bytes sent. `--quick` checks the code path in a few minutes (a few steps,
+seeds, the difference to dense, bytes sent per worker: the step's own accounting, inside and
+between nodes, so HiTopKComm's dense intra-node phases count) and PNG plots of the test metric
+against steps and against bytes sent. `--quick` checks the code path in a few minutes (a few steps,
 one seed, three variants; written next to --out with a _quick suffix).
 """
 
@@ -185,7 +186,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
   lines = ["| task | variant | seeds | final (mean +- std) | best (mean +- std) | vs dense | "
-           "MB sent / worker | wall s / run |", "|---|---|---|---|---|---|---|---|"]
+           "MB sent / worker (intra + inter node) | wall s / run |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     unit = "points" if r["metric"] == "accuracy" else "%"
     vs = f"{r['vs_dense']:+.2f} {unit}" if "vs_dense" in r else "-"
@@ -221,7 +223,7 @@ def plot(runs: list[dict[str, Any]], png: str) -> None:
       for ax, x in ((row[0], steps), (row[1], sent)):
         ax.plot(x, value, marker="o", ms=3, label=variant, color=colors[variant])
     row[0].set_xlabel("step")
-    row[1].set_xlabel("MB sent per worker (log)")
+    row[1].set_xlabel("MB sent per worker, intra + inter node (log)")
     row[1].set_xscale("symlog", linthresh=1.0)
     for ax in row:
       ax.set_ylabel(f"test {metric}" if metric == "accuracy" else f"validation {metric}")
