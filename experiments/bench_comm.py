@@ -196,24 +196,34 @@ def torch_worker(args) -> None:
 
 # ----------------------------------------------------------------------------- driver
 
-def run_on_cluster(c, mode: str, args, log) -> list[dict]:
+def launch_workers(c, script: str, argv: list[str], *, mode: str, procs_per_node: int,
+                   devices_per_proc: int, log, what: str) -> list[dict]:
+  """Runs `script --mode MODE ... --worker-out F` as NODES x `procs_per_node` processes on the
+  emulated cluster `c` (torch workers talk gloo over the node's link, eth0); returns the rows the
+  rank-0 worker wrote to F."""
   from sparsejax import cluster
   with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
     path = f.name
-  argv = ["--mode", mode, "--reps", str(args.reps), "--sizes", args.sizes,
-          "--worker-out", path] + (["--powersgd"] if args.powersgd else [])
+  try:
+    rc = cluster.launch(["--mode", mode, *argv, "--worker-out", path], nodes=NODES,
+                        procs_per_node=procs_per_node, devices_per_proc=devices_per_proc,
+                        cluster=c, program=[sys.executable, os.path.abspath(script)],
+                        init_timeout_s=120, out=log,
+                        extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch" else None)
+    if rc != 0:
+      raise RuntimeError(f"{what} workers failed (exit {rc}); see the log above")
+    with open(path) as f:
+      return json.load(f)
+  finally:
+    os.remove(path)
+
+
+def run_on_cluster(c, mode: str, args, log) -> list[dict]:
   procs = PROCS if mode == "torch" else args.procs_per_node  # torch: one CPU device a process
-  devices = PROCS // procs
-  rc = cluster.launch(argv, nodes=NODES, procs_per_node=procs, devices_per_proc=devices,
-                      cluster=c, program=[sys.executable, os.path.abspath(__file__)],
-                      init_timeout_s=120, out=log,
-                      extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch" else None)
-  if rc != 0:
-    raise RuntimeError(f"{mode} workers failed (exit {rc}); see the log above")
-  with open(path) as f:
-    rows = json.load(f)
-  os.remove(path)
-  return rows
+  argv = ["--reps", str(args.reps), "--sizes", args.sizes] + (
+      ["--powersgd"] if args.powersgd else [])
+  return launch_workers(c, __file__, argv, mode=mode, procs_per_node=procs,
+                        devices_per_proc=PROCS // procs, log=log, what=mode)
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -46,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_comm import _tc_sent_bytes  # noqa: E402
+from bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 2
@@ -216,24 +215,12 @@ def torch_worker(args) -> None:
 # ----------------------------------------------------------------------------- driver
 
 def run(c, mode: str, algorithm: str, args, log) -> dict:
-  from sparsejax import cluster
-  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-    path = f.name
-  argv = ["--mode", mode, "--algorithm", algorithm, "--width", str(args.width),
-          "--batch-per-worker", str(args.batch_per_worker), "--steps", str(args.steps),
-          "--warmup", str(args.warmup), "--worker-out", path]
+  argv = ["--algorithm", algorithm, "--width", str(args.width), "--batch-per-worker",
+          str(args.batch_per_worker), "--steps", str(args.steps), "--warmup", str(args.warmup)]
   procs = 1 if mode == "jax" else WORKERS_PER_NODE
-  rc = cluster.launch(argv, nodes=NODES, procs_per_node=procs,
-                      devices_per_proc=WORKERS_PER_NODE // procs, cluster=c,
-                      program=[sys.executable, os.path.abspath(__file__)], init_timeout_s=120,
-                      out=log, extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch"
-                      else None)
-  if rc != 0:
-    raise RuntimeError(f"{mode} {algorithm} workers failed (exit {rc}); see the log above")
-  with open(path) as f:
-    rows = json.load(f)
-  os.remove(path)
-  return rows[0]
+  return launch_workers(c, __file__, argv, mode=mode, procs_per_node=procs,
+                        devices_per_proc=WORKERS_PER_NODE // procs, log=log,
+                        what=f"{mode} {algorithm}")[0]
 
 
 def make_table(rows: list[dict], rate: str) -> str:
