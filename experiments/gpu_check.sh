@@ -12,8 +12,8 @@
 #                     224 px, one device): plain optax step vs sparsejax's dense and HiTopKComm steps.
 # Each part has its own time limit, so one failure or overrun does not lose the others. Writes
 # OUT_DIR/{topk,optim,step}.{json,md}, the logs, and OUT_DIR/gpu.md (all tables, with versions).
-# bench_step needs ml_collections and tensorboardX (sparsejax's train package); where they are
-# missing and a folder .whl/ of wheels is present, they are installed from it into /tmp/site.
+# bench_step needs ml_collections (sparsejax's train package); where it is
+# missing and a folder .whl/ of wheels is present, it is installed from there into /tmp/site.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-experiments/results/gpu}
@@ -22,7 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 start=$(date +%s)
 
-if ! $py -c "import ml_collections, tensorboardX" 2>/dev/null && [ -d .whl ]; then
+if ! $py -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi

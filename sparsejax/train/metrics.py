@@ -1,11 +1,11 @@
-"""Metrics to CSV files and TensorBoard event files (tensorboardX), one row per logged step."""
+"""Metrics to CSV files and TensorBoard event files, one row per logged step."""
 
 from __future__ import annotations
 
 import csv
 import os
 
-from tensorboardX import SummaryWriter
+from sparsejax.train.events import EventWriter
 
 __all__ = ["MetricsWriter"]
 
@@ -18,7 +18,7 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, resume_step: int = 0):
     self.workdir = workdir
-    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.tb = EventWriter(os.path.join(workdir, "tensorboard"))
     self.columns: dict[str, list[str]] = {}
     for split in ("train", "eval"):
       path = self._path(split)
@@ -50,9 +50,7 @@ class MetricsWriter:
       if new:
         w.writeheader()
       w.writerow(row)
-    for name, value in metrics.items():
-      self.tb.add_scalar(f"{split}/{name}", float(value), step)
-    self.tb.flush()
+    self.tb.write(step, {f"{split}/{name}": value for name, value in row.items() if name != "step"})
 
   def close(self) -> None:
     self.tb.close()
