@@ -28,7 +28,8 @@ class TopKAllReduceState(NamedTuple):
   """Per-worker state of `topk_allreduce`.
 
   residual: float32[r], what this worker has not sent yet (r = padded n for "allgather", padded
-    n / local for "hitopk", 0 for the dense algorithms or without error feedback).
+    n / local for "hitopk"); None for the dense algorithms or without error feedback (no
+    zero-size arrays: XLA and orbax both handle those badly).
   count: int32 number of updates so far (drives `density_schedule`).
   density: float32 density used at the last update.
   bytes_sent: float32 inter- plus intra-node bytes this worker sent at the last update.
@@ -36,7 +37,7 @@ class TopKAllReduceState(NamedTuple):
   skipped_steps: int32 number of skipped updates so far.
   """
 
-  residual: jax.Array
+  residual: jax.Array | None
   count: jax.Array
   density: jax.Array
   bytes_sent: jax.Array
@@ -106,8 +107,8 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
 
   def init_fn(params: Any) -> TopKAllReduceState:
     _, _, _, shard = shapes(params)
-    r = shard if (sparse and error_feedback) else 0
-    return TopKAllReduceState(jnp.zeros(r, jnp.float32), jnp.zeros([], jnp.int32),
+    residual = jnp.zeros(shard, jnp.float32) if (sparse and error_feedback) else None
+    return TopKAllReduceState(residual, jnp.zeros([], jnp.int32),
                               jnp.float32(levels[0]), jnp.zeros([], jnp.float32),
                               jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 

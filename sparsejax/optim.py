@@ -48,11 +48,11 @@ class FusedMomentumState(NamedTuple):
   """State of `fused_sgd` and `fused_lars`.
 
   count: int32[], number of updates so far (drives learning-rate schedules).
-  momentum: float32[padded_size], the momentum buffer (float32[0] for SGD without momentum).
+  momentum: float32[padded_size], the momentum buffer (None for SGD without momentum).
   """
 
   count: jax.Array
-  momentum: jax.Array
+  momentum: jax.Array | None
 
 
 class FusedAdamState(NamedTuple):
@@ -272,7 +272,7 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
     return _make_plan(lay, weight_decay, weight_decay_mask, decay_mask_name="weight_decay_mask")
 
   def init_flat(plan: _Plan) -> FusedMomentumState:
-    buf = _zeros(plan) if momentum is not None else jnp.zeros(0, jnp.float32)
+    buf = _zeros(plan) if momentum is not None else None
     return FusedMomentumState(jnp.zeros([], jnp.int32), buf)
 
   def update_flat(plan, g, state, p):

@@ -226,8 +226,8 @@ def test_cli_info_shows_devices_versions_and_the_mesh(capsys):
 
 
 def test_checkpoints_hold_zero_size_arrays(tmp_path):
-  """A dense or no-error-feedback run keeps a zero-size residual, which orbax refuses to write:
-  the Checkpointer leaves it out and rebuilds it on restore."""
+  """Orbax refuses to write zero-size arrays (a user's state may hold them; sparsejax's own
+  states use None instead): the Checkpointer leaves them out and rebuilds them on restore."""
   from sparsejax.train.checkpoint import Checkpointer
   state = {"residual": jnp.zeros((0,), jnp.float32), "w": jnp.arange(5.0), "step": jnp.int32(3),
            "nested": {"empty": jnp.zeros((2, 0), jnp.bfloat16), "b": jnp.ones((2, 3))}}

@@ -31,8 +31,8 @@ class Checkpointer:
     """Writes `state` as step `step` and waits until it is on disk."""
     if step in self.manager.all_steps():
       return
-    # orbax cannot write zero-size arrays (the residual of a run without error feedback):
-    # they are left out and rebuilt from `like` on restore
+    # orbax cannot write zero-size arrays (sparsejax's own states hold none, a user's model or
+    # transform may): they are left out and rebuilt from `like` on restore
     self.manager.save(step, args=ocp.args.StandardSave(_drop_empty(state)))
     self.manager.wait_until_finished()
 

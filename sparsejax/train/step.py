@@ -247,8 +247,8 @@ class Trainer:
     specs = self.state_specs(state_like)
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(WORKERS), P(WORKERS)),
                        out_specs=(specs, P()), check_vma=False)
-    # Pinned output shardings: XLA would otherwise report empty arrays (the residual of the
-    # dense algorithms) as replicated, and the next call would compile again.
+    # Pinned output shardings: the state comes back exactly as it went in, so the next call
+    # never compiles again.
     shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, P))
     return jax.jit(fn, donate_argnums=0,
