@@ -1,7 +1,8 @@
 """Convergence under compression on real data: dense vs HiTopKComm and TopK all-gather.
 
   python experiments/convergence.py [--quick] [--tasks fashion_mnist,kjv] [--seeds 3]
-                                    [--variants dense,hitopk-0.001,...] [--workdir DIR]
+                                    [--variants dense,hitopk-0.001,...] [--epochs 1]
+                                    [--collect] [--workdir DIR]
                                     [--out experiments/results/convergence.json]
 
 On 8 CPU devices as 2 nodes x 4, through the real trainer (`train_and_evaluate`), two tasks:
@@ -17,8 +18,11 @@ Variants (each with every seed): dense all-reduce; HiTopKComm and TopK all-gathe
 0.01 and 0.001 with error feedback and DGC density warm-up (from 0.25, over the first 20% of
 training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the warm-up.
 
-Every run writes its own workdir (`--workdir/<task>/<variant>/seed<k>`); a run whose summary is
-already there is read, not repeated, so an interrupted experiment continues where it stopped.
+Every run writes its own workdir (`--workdir/[epochs<E>/]<task>/<variant>/seed<k>`); a run whose
+summary is already there is read, not repeated, so an interrupted experiment continues where it
+stopped (runs go seed by seed, every variant of a seed before the next seed); `--collect` trains
+nothing and summarizes the finished runs. `--epochs E` trains E times as long (the LR and density
+warm-ups keep their length in epochs): the longer runs error feedback needs at density 0.001.
 Output: JSON with every curve, a markdown table (final and best metric: mean +- sample std over
 seeds, the difference to dense, bytes sent per worker: the step's own accounting, inside and
 between nodes, so HiTopKComm's dense intra-node phases count) and PNG plots of the test metric
@@ -135,17 +139,33 @@ def _curve(workdir: str, metric: str) -> list[dict[str, float]]:
   return points
 
 
-def run_one(task: str, variant: str, seed: int, quick: bool, root: str) -> dict[str, Any]:
-  """Trains one (task, variant, seed), or reads its finished run; returns its record."""
+def _finished(workdir: str) -> dict[str, Any] | None:
+  """The summary of a run that finished in `workdir`, else None."""
+  path = os.path.join(workdir, "summary.json")
+  summary = json.load(open(path)) if os.path.exists(path) else None
+  if not summary or summary.get("interrupted") or not summary.get("final_eval"):
+    return None
+  return summary
+
+
+def run_one(task: str, variant: str, seed: int, quick: bool, root: str, epochs: float = 1.0,
+            train: bool = True) -> dict[str, Any] | None:
+  """Trains one (task, variant, seed), or reads its finished run; returns its record.
+
+  `epochs` scales the task's training length (the warm-ups stay as long in epochs). With
+  `train=False` a run that has not finished is not started: None is returned.
+  """
   from sparsejax.train.loop import train_and_evaluate
 
   build, metric, _ = TASKS[task]
   workdir = os.path.join(root, task, variant, f"seed{seed}")
-  summary_path = os.path.join(workdir, "summary.json")
-  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
-  if not summary or summary.get("interrupted") or not summary.get("final_eval"):
+  summary = _finished(workdir)
+  if summary is None:
+    if not train:
+      return None
     config = build(quick)
     config.seed = seed
+    config.num_epochs *= epochs
     config.compression.update(VARIANTS[variant])
     t0 = time.time()
     summary = train_and_evaluate(config, workdir, progress=False)
@@ -241,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--tasks", default=",".join(TASKS))
   p.add_argument("--variants", default="")
   p.add_argument("--seeds", type=int, default=0, help="seeds 0..N-1 (default 3, quick 1)")
+  p.add_argument("--epochs", type=float, default=1.0,
+                 help="scale every task's training length (default 1: one epoch)")
+  p.add_argument("--collect", action="store_true",
+                 help="train nothing: summarize the runs that finished in --workdir")
   p.add_argument("--workdir", default="/tmp/sparsejax-convergence")
   p.add_argument("--out", default=os.path.join(HERE, "results", "convergence.json"))
   args = p.parse_args(argv)
@@ -254,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
   seeds = args.seeds or (1 if args.quick else 3)
   if seeds < 1:
     p.error(f"--seeds must be >= 1, got {seeds}")
+  if not args.epochs > 0:
+    p.error(f"--epochs must be > 0, got {args.epochs}")
   if len(jax.devices()) < 8:
     p.error(f"needs 8 devices, found {len(jax.devices())} (set XLA_FLAGS="
             "--xla_force_host_platform_device_count=8 or leave XLA_FLAGS unset)")
@@ -262,18 +288,27 @@ def main(argv: list[str] | None = None) -> int:
   if args.quick:
     out = os.path.splitext(out)[0] + "_quick.json"
     root = os.path.join(root, "quick")
+  if args.epochs != 1.0:
+    root = os.path.join(root, f"epochs{args.epochs:g}")
 
   runs = []
   t0 = time.time()
   for task in tasks:
-    for variant in variants:
-      for seed in range(seeds):
-        runs.append(run_one(task, variant, seed, args.quick, root))
+    for seed in range(seeds):  # seed-major: a stopped experiment has whole seeds of variants
+      for variant in variants:
+        run = run_one(task, variant, seed, args.quick, root, args.epochs, not args.collect)
+        if run is None:
+          print(f"  {task} {variant} seed {seed}: not finished, left out", flush=True)
+        else:
+          runs.append(run)
+  if not runs:
+    p.error(f"no finished run under {root}")
   rows = summarize(runs)
   text = table(rows)
   payload = {"command": " ".join(["python experiments/convergence.py", *(argv or sys.argv[1:])]),
-             "quick": args.quick, "seeds": seeds, "machine": platform.processor() or
-             platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+             "quick": args.quick, "epochs": args.epochs, "seeds": seeds,
+             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+             "jax": jax.__version__,
              "devices": "8 CPU devices as 2 nodes x 4", "elapsed_s": time.time() - t0,
              "rows": rows, "runs": runs}
   md = write_results(out, payload, text)

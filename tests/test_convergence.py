@@ -27,7 +27,7 @@ def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
     assert sent == sorted(sent) and sent[0] > 0
     assert all(0 < p["loss"] < 10 for p in run["curve"])
     assert run["final"] == run["curve"][-1]["loss"]
-  # no error feedback: the zero-size residual is checkpointed; sparse: fewer bytes than dense
+  # no error feedback: a state without residual is checkpointed; sparse: fewer bytes than dense
   dense = next(r for r in got["runs"] if r["variant"] == "dense")
   sparse = next(r for r in got["runs"] if r["variant"] != "dense")
   assert sparse["bytes_sent"] < dense["bytes_sent"]
@@ -37,6 +37,16 @@ def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
   capsys.readouterr()
   assert convergence.main(argv) == 0
   assert "seed 0:" not in capsys.readouterr().out
+  # --collect trains nothing: it summarizes the finished runs, and there are none for --epochs 2
+  assert convergence.main([*argv, "--collect"]) == 0
+  assert json.loads((tmp_path / "results" / "convergence_quick.json").read_text())["rows"] == \
+      got["rows"]
+  with pytest.raises(SystemExit):
+    convergence.main([*argv, "--collect", "--epochs", "2"])
+  assert "no finished run under" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    convergence.main([*argv, "--epochs", "0"])
+  assert "--epochs must be > 0, got 0.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, match", [
