@@ -6,6 +6,11 @@ float32 buffer and the per-layer norms of LARS/LAMB are row reductions of that b
 `(rows, align)` plus one tiny segment sum over rows. The update compiles to a handful of kernels
 whatever the number of parameter tensors (optax: several per tensor).
 
+The elementwise passes stay 1-D: per-row values (weight decay under a mask, trust ratios) are
+broadcast to `(rows, align)` and flattened, never the big buffers viewed as 2-D. XLA:CPU updates a
+donated buffer in place only when the fusion reads it elementwise; through a 2-D view it writes a
+fresh buffer and copies it back (3x slower on the ResNet-50 tree).
+
 Two faces over the same kernels, chosen by `layout`:
 
 * `layout=None` (default), a drop-in for the optax optimizer: params and updates are pytrees; the
@@ -123,7 +128,12 @@ class _Plan:
     return self.layout.rows, self.layout.align
 
   def rows(self, x: jax.Array) -> jax.Array:
+    """float32[padded_size] -> float32[rows, align] (for row reductions)."""
     return x.reshape(self.shape2d)
+
+  def expand(self, per_row: jax.Array) -> jax.Array:
+    """[rows] -> [padded_size]: each row's value repeated over the row's `align` elements."""
+    return jnp.broadcast_to(per_row[:, None], self.shape2d).reshape(-1)
 
 
 def _make_plan(layout: FlatLayout, weight_decay: float, decay_mask: Any,
@@ -156,8 +166,8 @@ def _row_sums(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _leaf_norms(plan: _Plan, *xs: jax.Array) -> tuple[jax.Array, ...]:
-  """Per-leaf L2 norms, float32[num_leaves + 1] each, of float32[rows, align] expressions."""
-  row_sums = _row_sums(*(x * x for x in xs))
+  """Per-leaf L2 norms, float32[num_leaves + 1] each, of float32[padded_size] expressions."""
+  row_sums = _row_sums(*(plan.rows(x * x) for x in xs))
   stacked = jnp.stack(row_sums, axis=1)
   zeros = np.zeros((plan.layout.num_leaves + 1, len(xs)), np.float32)
   sums = jnp.asarray(zeros).at[jnp.asarray(plan.row_ids)].add(
@@ -165,13 +175,13 @@ def _leaf_norms(plan: _Plan, *xs: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(jnp.sqrt(sums[:, i]) for i in range(len(xs)))
 
 
-def _trust_rows(plan: _Plan, param_norm: jax.Array, update_norm: jax.Array,
+def _trust_ratio(plan: _Plan, param_norm: jax.Array, update_norm: jax.Array,
                 trust_coefficient: float, eps: float) -> jax.Array:
-  """float32[rows, 1]: optax.scale_by_trust_ratio's factor for each row's leaf."""
+  """float32[padded_size]: optax.scale_by_trust_ratio's factor for each element's leaf."""
   ratio = trust_coefficient * param_norm / (update_norm + eps)
   zero = jnp.logical_or(param_norm == 0.0, update_norm == 0.0)
   ratio = jnp.where(zero | ~jnp.asarray(plan.trust_leaves), 1.0, ratio)
-  return ratio[jnp.asarray(plan.row_ids)][:, None]
+  return plan.expand(ratio[jnp.asarray(plan.row_ids)])
 
 
 def _learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
@@ -181,7 +191,12 @@ def _learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Arr
 
 
 def _decay(plan: _Plan) -> jax.Array:
-  return jnp.asarray(plan.decay_rows)[:, None]
+  """Weight decay of each element (0 where masked): a scalar when every leaf has the same one
+  (the padding is zero in params and updates, so its decay does not matter)."""
+  real = plan.decay_rows[plan.row_ids < plan.layout.num_leaves]
+  if np.all(real == real[0]):
+    return jnp.float32(real[0])
+  return plan.expand(jnp.asarray(plan.decay_rows))
 
 
 # ----------------------------------------------------------------------------- the two faces
@@ -191,7 +206,8 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
           update_flat: Callable[[_Plan, jax.Array, NamedTuple, jax.Array | None], tuple],
           plan_for: Callable[[FlatLayout], _Plan], layout: FlatLayout | None,
           needs_params: bool) -> optax.GradientTransformation:
-  """Wraps a flat kernel `(plan, g2d, state, p2d) -> (u2d, state)` into one of the two faces."""
+  """Wraps a flat kernel `(plan, g, state, p) -> (u, state)` (float32[padded_size] buffers) into
+  one of the two faces."""
   if layout is not None and not isinstance(layout, FlatLayout):
     raise ValueError(f"{name}: layout must be a sparsejax.flat.FlatLayout or None, got "
                      f"{type(layout).__name__}")
@@ -219,10 +235,10 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
           raise ValueError(f"{name} needs params in update(updates, state, params)")
         check_flat("params", params, layout)
       plan = get_plan(layout)
-      g = plan.rows(updates.astype(jnp.float32))
-      p = None if params is None else plan.rows(params.astype(jnp.float32))
+      g = updates.astype(jnp.float32)
+      p = None if params is None else params.astype(jnp.float32)
       u, state = update_flat(plan, g, state, p)
-      return u.reshape(-1).astype(updates.dtype), state
+      return u.astype(updates.dtype), state
   else:
     def init_fn(params: Any) -> NamedTuple:
       return init_flat(get_plan(flat_layout(params)))
@@ -232,10 +248,10 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
       if needs_params and params is None:
         raise ValueError(f"{name} needs params in update(updates, state, params)")
       plan = get_plan(lay)
-      g = plan.rows(lay.ravel(updates, jnp.float32))
-      p = None if params is None else plan.rows(lay.ravel(params, jnp.float32))
+      g = lay.ravel(updates, jnp.float32)
+      p = None if params is None else lay.ravel(params, jnp.float32)
       u, state = update_flat(plan, g, state, p)
-      out = lay.unravel(u.reshape(-1))
+      out = lay.unravel(u)
       return jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -281,9 +297,9 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
       g = g + _decay(plan) * p
     trace = state.momentum
     if momentum is not None:
-      t = g + momentum * plan.rows(state.momentum)
+      t = g + momentum * state.momentum
       g = g + momentum * t if nesterov else t
-      trace = t.reshape(-1)
+      trace = t
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   return _make("fused_sgd", init_flat, update_flat, plan_for, layout, needs_params=decayed)
@@ -324,12 +340,15 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
   def update_flat(plan, g, state, p):
     lr = _learning_rate(learning_rate, state.count)
     decay = _decay(plan)
-    param_norm, update_norm = _leaf_norms(plan, p, g + decay * p)
-    ratio = _trust_rows(plan, param_norm, update_norm, trust_coefficient, eps)
+    # The norm pass recomputes g + decay * p from g and p rather than sharing it with the update
+    # pass (the barrier keeps XLA from materialising it): one full-size buffer less to write.
+    g_b, p_b = lax.optimization_barrier((g, p))
+    param_norm, update_norm = _leaf_norms(plan, p_b, g_b + decay * p_b)
+    ratio = _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
     u = (g + decay * p) * (ratio * -lr)
-    t = u + momentum * plan.rows(state.momentum)
+    t = u + momentum * state.momentum
     u = u + momentum * t if nesterov else t
-    return u, FusedMomentumState(optax.safe_increment(state.count), t.reshape(-1))
+    return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
   return _make("fused_lars", init_flat, update_flat, plan_for, layout, needs_params=True)
 
@@ -343,19 +362,19 @@ def _check_adam(b1: float, b2: float, eps: float, eps_root: float) -> tuple[floa
 
 
 def _adam_step(plan: _Plan, mu, nu, count_inc, b1, b2, eps, eps_root):
-  """optax.scale_by_adam's direction from the updated moments, float32[rows, align]."""
+  """optax.scale_by_adam's direction from the updated moments, float32[padded_size]."""
   # Both bias corrections 1 / (1 - b**count) from one tiny kernel (fewer launches).
   inv = 1.0 / (1.0 - jnp.asarray([b1, b2], jnp.float32) ** count_inc.astype(jnp.float32))
   u = (mu * inv[0]) / (jnp.sqrt(nu * inv[1] + eps_root) + eps)
   if eps == 0.0 and eps_root == 0.0:
     # 0/0 in the padding would poison the per-leaf norms; real values keep optax's behaviour.
-    col = lax.broadcasted_iota(jnp.int32, plan.shape2d, 1)
-    u = jnp.where(col < jnp.asarray(plan.valid_len)[:, None], u, 0.0)
+    col = lax.rem(lax.iota(jnp.int32, u.shape[0]), jnp.int32(plan.layout.align))
+    u = jnp.where(col < plan.expand(jnp.asarray(plan.valid_len)), u, 0.0)
   return u
 
 
 def _adam_moments(g, mu, nu, b1: float, b2: float):
-  """optax.scale_by_adam's moment updates, float32[rows, align]."""
+  """optax.scale_by_adam's moment updates, float32[padded_size]."""
   return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * (g * g) + b2 * nu
 
 
@@ -387,11 +406,11 @@ def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float =
   def update_flat(plan, g, state, p):
     lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
-    mu, nu = _adam_moments(g, plan.rows(state.mu), plan.rows(state.nu), b1, b2)
+    mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
     u = _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root)
     if decayed:
       u = u + _decay(plan) * p
-    return -lr * u, FusedAdamState(count_inc, mu.reshape(-1), nu.reshape(-1))
+    return -lr * u, FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_adamw", _adam_init, update_flat, plan_for, layout, needs_params=decayed)
 
@@ -420,7 +439,7 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
     decay = _decay(plan)
-    mu, nu = _adam_moments(g, plan.rows(state.mu), plan.rows(state.nu), b1, b2)
+    mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
 
     def direction(mu, nu, p):
       return _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root) + decay * p
@@ -430,9 +449,9 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     # one less full-size buffer written and read, one less kernel.
     mu_b, nu_b, p_b = lax.optimization_barrier((mu, nu, p))
     param_norm, update_norm = _leaf_norms(plan, p_b, direction(mu_b, nu_b, p_b))
-    ratio = _trust_rows(plan, param_norm, update_norm, 1.0, 0.0)
+    ratio = _trust_ratio(plan, param_norm, update_norm, 1.0, 0.0)
     u = direction(mu, nu, p)
-    return u * (ratio * -lr), FusedAdamState(count_inc, mu.reshape(-1), nu.reshape(-1))
+    return u * (ratio * -lr), FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_lamb", _adam_init, update_flat, plan_for, layout, needs_params=True)
 
