@@ -41,6 +41,10 @@ def test_runs_on_the_committed_results(tmp_path):
   got = json.loads(out.read_text())
   rows = got["calibration"]["rows"]
   assert len(rows) == 24 and sum(r["held_out"] for r in rows) == 12
+  assert {r["size"] for r in rows if not r["held_out"]} == {"resnet50"}
+  rate = got["calibration_rate_split"]["rows"]
+  assert len(rate) == 24 and {r["rate"] for r in rate if r["held_out"]} == {"200mbit"}
+  assert {r["size"] for r in rate if not r["held_out"]} == {"resnet50", "transformer_base"}
   assert all(r["predicted_s"] > 0 for r in rows)
   proj = {(r["nodes"], r["algorithm"]): r for r in got["projection"]["rows"]}
   # one node: no network link, so compression cannot help much; 16 nodes: it must
