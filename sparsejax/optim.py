@@ -340,10 +340,7 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
   def update_flat(plan, g, state, p):
     lr = _learning_rate(learning_rate, state.count)
     decay = _decay(plan)
-    # The norm pass recomputes g + decay * p from g and p rather than sharing it with the update
-    # pass (the barrier keeps XLA from materialising it): one full-size buffer less to write.
-    g_b, p_b = lax.optimization_barrier((g, p))
-    param_norm, update_norm = _leaf_norms(plan, p_b, g_b + decay * p_b)
+    param_norm, update_norm = _leaf_norms(plan, p, g + decay * p)
     ratio = _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
     u = (g + decay * p) * (ratio * -lr)
     t = u + momentum * state.momentum
