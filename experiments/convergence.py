@@ -18,7 +18,10 @@ On 8 CPU devices as 2 nodes x 4, through the real trainer (`train_and_evaluate`)
 
 Variants (each with every seed): dense all-reduce; HiTopKComm and TopK all-gather at density
 0.01 and 0.001 with error feedback and DGC density warm-up (from 0.25, over the first 20% of
-training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the warm-up.
+training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the warm-up;
+HiTopKComm 0.001 with DGC momentum correction ("-mc": the SGD momentum accumulated per worker
+before selection and masked where sent; "-mc-nomask": not masked; both skipped for the AdamW
+task, where they do not apply).
 
 Every run writes its own workdir (`--workdir/[epochs<E>/]<task>/<variant>/seed<k>`); a run whose
 summary is already there is read, not repeated, so an interrupted experiment continues where it
@@ -65,6 +68,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "allgather-0.001": {"algorithm": "allgather", "density": 0.001},
     "hitopk-0.001-no-ef": {"algorithm": "hitopk", "density": 0.001, "error_feedback": False},
     "hitopk-0.001-no-warmup": {"algorithm": "hitopk", "density": 0.001, "warmup_epochs": 0.0},
+    # DGC momentum correction (SGD tasks only): the momentum accumulates before selection
+    "hitopk-0.001-mc": {"algorithm": "hitopk", "density": 0.001, "momentum_correction": True},
+    "hitopk-0.001-mc-nomask": {"algorithm": "hitopk", "density": 0.001,
+                               "momentum_correction": True, "momentum_masking": False},
 }
 QUICK_VARIANTS = ("dense", "hitopk-0.001", "allgather-0.01")
 
@@ -190,6 +197,12 @@ def run_one(task: str, variant: str, seed: int, quick: bool, root: str, epochs: 
           "curve": _curve(workdir, metric)}
 
 
+def applies(task: str, variant: str) -> bool:
+  """Whether `variant` can run on `task`: momentum correction needs the SGD optimizer."""
+  return not VARIANTS[variant].get("momentum_correction") or \
+      TASKS[task][0](True).optimizer.name == "sgd"
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
   return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
@@ -310,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
   for task in tasks:
     for seed in range(seeds):  # seed-major: a stopped experiment has whole seeds of variants
       for variant in variants:
+        if not applies(task, variant):
+          if seed == 0:
+            print(f"  {task} {variant}: skipped (momentum correction needs the SGD optimizer)",
+                  flush=True)
+          continue
         run = run_one(task, variant, seed, args.quick, root, args.epochs, not args.collect)
         if run is None:
           print(f"  {task} {variant} seed {seed}: not finished, left out", flush=True)

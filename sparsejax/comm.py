@@ -3,7 +3,7 @@
 The mesh has a slow `node` axis (the network between machines) and a fast `local` axis (links
 inside a machine). Every function takes axis names, never devices, and returns the SUM over all
 workers, identical on every worker. The sparse ones also return the error-feedback residual: what
-this worker did not send.
+this worker did not send (with momentum correction, a `Corrected` pair: residual and velocity).
 
   dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
   hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
@@ -15,6 +15,7 @@ this worker did not send.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,25 @@ from jax import lax
 from sparsejax import topk as topk_lib
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
-           "wire_bytes", "axis_size", "ALGORITHMS"]
+           "wire_bytes", "axis_size", "Corrected", "ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
+
+
+class Corrected(NamedTuple):
+  """Error feedback with momentum correction (DGC: Lin et al., ICLR 2018), per worker buffer.
+
+  velocity: the local momentum `u <- momentum * u + x` (Nesterov: the sent candidate is
+    `x + momentum * u`), accumulated BEFORE selection, so a coordinate sent late carries the
+    momentum it would have had; the optimizer then runs without momentum.
+  residual: the accumulated candidates not sent yet (error feedback).
+  The residual is zeroed where a value was sent; the velocity too with momentum factor masking
+  (DGC's choice: no stale momentum after a delayed update). Without masking the velocity runs on,
+  and what is sent plus what is kept equals exactly what momentum SGD would have applied.
+  """
+
+  residual: jax.Array
+  velocity: jax.Array
 
 
 def axis_size(name: str | Sequence[str]) -> int:
@@ -72,9 +89,37 @@ def hierarchical_allreduce(x: jax.Array, *, node_axis: str, local_axis: str) -> 
   return lax.all_gather(shard, local_axis, axis=0, tiled=True)
 
 
-def _select_and_residual(acc: jax.Array, k: int, select):
+def _check_feedback(residual, n: int, momentum: float) -> None:
+  if not 0 <= momentum < 1:
+    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  if momentum and not isinstance(residual, Corrected):
+    raise ValueError("momentum correction needs residual=Corrected(residual, velocity), got "
+                     f"{type(residual).__name__}")
+  if isinstance(residual, Corrected) and not momentum:
+    raise ValueError("residual is a Corrected pair but momentum is 0: pass momentum in (0, 1)")
+  for name, r in zip(("residual", "velocity"),
+                     residual if isinstance(residual, Corrected) else (residual,), strict=False):
+    if r is not None and r.shape != (n,):
+      raise ValueError(f"{name} must have shape ({n},) like the buffer it corrects, "
+                       f"got {r.shape}")
+
+
+def _feedback_select(x: jax.Array, residual, k: int, select, momentum: float, nesterov: bool,
+                     masking: bool):
+  """(values, indices, new residual) of the k largest |x + residual| (momentum-corrected)."""
+  if isinstance(residual, Corrected):
+    dtype = residual.residual.dtype
+    velocity = momentum * residual.velocity + x.astype(dtype)
+    acc = residual.residual + (x.astype(dtype) + momentum * velocity if nesterov else velocity)
+  else:
+    velocity = None
+    acc = x if residual is None else x.astype(residual.dtype) + residual
   values, indices = topk_lib.get_selector(select)(acc, k)
   new_residual = acc.at[indices].set(0, unique_indices=True)
+  if velocity is not None:
+    if masking:
+      velocity = velocity.at[indices].set(0, unique_indices=True)
+    new_residual = Corrected(new_residual, velocity)
   return values, indices, new_residual
 
 
@@ -85,43 +130,40 @@ def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   return jnp.zeros(n, values.dtype).at[all_i].add(all_v)
 
 
-def _accumulate(x: jax.Array, residual: jax.Array | None, n: int) -> jax.Array:
-  if residual is None:
-    return x
-  if residual.shape != (n,):
-    raise ValueError(f"residual must have shape ({n},) like the buffer it corrects, "
-                     f"got {residual.shape}")
-  return x.astype(residual.dtype) + residual
-
-
 def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
-                   residual: jax.Array | None = None,
-                   select=topk_lib.mstopk) -> tuple[jax.Array, jax.Array]:
+                   residual: jax.Array | Corrected | None = None,
+                   select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
+                   momentum_masking: bool = True) -> tuple[jax.Array, jax.Array | Corrected]:
   """TopK all-gather: each worker sends its k largest |x + residual| to every other worker.
 
   Args:
     x: this worker's 1-D buffer, length n.
     k: pairs each worker sends, 1 <= k <= n.
     axes: mesh axis name(s) the workers span.
-    residual: error feedback from the last step, shape (n,) (its dtype is the accumulation dtype).
+    residual: error feedback from the last step, shape (n,) (its dtype is the accumulation dtype),
+      or with momentum correction a `Corrected(residual, velocity)` pair of such arrays.
     select: a selector `(x, k) -> (values, indices)` or its name ("mstopk", "exact", "sampled").
+    momentum, nesterov: momentum correction (needs a `Corrected` residual; 0 = none).
+    momentum_masking: zero the velocity where sent (DGC's momentum factor masking).
 
   Returns:
     `(total, new_residual)`: `total` (n,) is the sum over workers of what each sent, identical on
-    every worker; `new_residual = (x + residual) - sent`.
+    every worker; `new_residual = (x + residual) - sent` (a `Corrected` pair if one came in).
   """
   n = _check_1d(x, "topk_allgather")
   topk_lib.check_k(x, k)
   axes = axes if isinstance(axes, str) else tuple(axes)
   axis_size(axes)
-  acc = _accumulate(x, residual, n)
-  values, indices, new_residual = _select_and_residual(acc, k, select)
+  _check_feedback(residual, n, momentum)
+  values, indices, new_residual = _feedback_select(x, residual, k, select, momentum, nesterov,
+                                                     momentum_masking)
   return _gather_sum(values, indices, n, axes), new_residual
 
 
 def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
-                     residual: jax.Array | None = None,
-                     select=topk_lib.mstopk) -> tuple[jax.Array, jax.Array]:
+                     residual: jax.Array | Corrected | None = None,
+                     select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
+                     momentum_masking: bool = True) -> tuple[jax.Array, jax.Array | Corrected]:
   """HiTopKComm (Shi et al., 2021): dense inside a node, sparse between nodes.
 
   Worker i of a node reduce-scatters `x` over `local_axis` and gets shard i of its node's sum
@@ -133,8 +175,11 @@ def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
     x: this worker's 1-D buffer, length n, a multiple of the local axis size M.
     k: pairs sent per shard, 1 <= k <= n/M.
     node_axis, local_axis: mesh axis names.
-    residual: error feedback for this worker's shard, shape (n/M,).
+    residual: error feedback for this worker's shard, shape (n/M,), or a `Corrected` pair.
     select: selector or its name.
+    momentum, nesterov: momentum correction of the shard (of the node's summed gradient: the
+      sum of the workers' momenta is the momentum of their sum, so one velocity per shard is exact).
+    momentum_masking: zero the velocity where sent (DGC's momentum factor masking).
 
   Returns:
     `(total, new_residual)`: `total` (n,) the sum over all workers of what was sent, identical on
@@ -146,8 +191,9 @@ def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
   _check_divisible(n, m, local_axis)
   shard = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
   topk_lib.check_k(shard, k)
-  acc = _accumulate(shard, residual, n // m)
-  values, indices, new_residual = _select_and_residual(acc, k, select)
+  _check_feedback(residual, n // m, momentum)
+  values, indices, new_residual = _feedback_select(shard, residual, k, select, momentum,
+                                                     nesterov, momentum_masking)
   shard_total = _gather_sum(values, indices, n // m, node_axis)
   return lax.all_gather(shard_total, local_axis, axis=0, tiled=True), new_residual
 

@@ -28,8 +28,9 @@ class TopKAllReduceState(NamedTuple):
   """Per-worker state of `topk_allreduce`.
 
   residual: float32[r], what this worker has not sent yet (r = padded n for "allgather", padded
-    n / local for "hitopk"); None for the dense algorithms or without error feedback (no
-    zero-size arrays: XLA and orbax both handle those badly).
+    n / local for "hitopk"); with momentum correction a `comm.Corrected(residual, velocity)` pair
+    of such arrays; None for the dense algorithms or without error feedback (no zero-size
+    arrays: XLA and orbax both handle those badly).
   count: int32 number of updates so far (drives `density_schedule`).
   density: float32 density used at the last update.
   bytes_sent: float32 inter- plus intra-node bytes this worker sent at the last update.
@@ -37,7 +38,7 @@ class TopKAllReduceState(NamedTuple):
   skipped_steps: int32 number of skipped updates so far.
   """
 
-  residual: jax.Array | None
+  residual: jax.Array | comm.Corrected | None
   count: jax.Array
   density: jax.Array
   bytes_sent: jax.Array
@@ -59,11 +60,18 @@ def _check_density(name: str, value: float) -> None:
     raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
 
 
+def _all_finite(x: jax.Array) -> jax.Array:
+  """bool[]: every value of `x` is finite. One fused reduction: `x * 0` is NaN exactly where x is
+  inf or NaN (`all(isfinite(x))` made XLA:CPU write a bool mask of the whole buffer first)."""
+  return jnp.isfinite(jnp.sum(x * 0.0))
+
+
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    selector: str | Callable = "mstopk", node_axis: str = "node",
                    local_axis: str = "local", error_feedback: bool = True,
-                   density_schedule: Callable[[jax.Array], jax.Array] | None = None
-                   ) -> optax.GradientTransformation:
+                   density_schedule: Callable[[jax.Array], jax.Array] | None = None,
+                   momentum: float = 0.0, nesterov: bool = False,
+                   momentum_masking: bool = True) -> optax.GradientTransformation:
   """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
 
   Args:
@@ -77,6 +85,13 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
       shapes stay static; each level compiles once and one runs per step.
+    momentum, nesterov: momentum correction (DGC, Lin et al. 2018; `comm.Corrected`): the
+      momentum is accumulated per worker BEFORE top-k selection, so the returned mean already
+      carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
+      0 (default) = plain error feedback; needs a sparse algorithm and error feedback.
+    momentum_masking: with momentum correction, also zero the velocity where sent (DGC's
+      momentum factor masking). False lets it run on: sent plus kept is then exactly what
+      momentum SGD applies (better in sparsejax's convergence study, see the README).
 
   Returns:
     An `optax.GradientTransformation`; `init` and `update` must run inside `shard_map`.
@@ -91,6 +106,16 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
   select = topk_lib.get_selector(selector)
   sparse = algorithm in ("hitopk", "allgather")
+  if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+    raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+  if momentum and not (sparse and error_feedback):
+    raise ValueError(f"momentum correction (momentum={momentum!r}) needs a sparse algorithm "
+                     f"(hitopk, allgather) with error feedback, got algorithm={algorithm!r}, "
+                     f"error_feedback={error_feedback!r}; otherwise use the optimizer's momentum")
+  if nesterov and not momentum:
+    raise ValueError("nesterov=True needs momentum > 0")
+  if not isinstance(momentum_masking, bool):
+    raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
   if not sparse:  # everything is sent: density 1, whatever the schedule says
     levels: tuple[float, ...] = (1.0,)
   elif density_schedule is not None:
@@ -108,6 +133,8 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   def init_fn(params: Any) -> TopKAllReduceState:
     _, _, _, shard = shapes(params)
     residual = jnp.zeros(shard, jnp.float32) if (sparse and error_feedback) else None
+    if momentum:
+      residual = comm.Corrected(residual, jnp.zeros(shard, jnp.float32))
     return TopKAllReduceState(residual, jnp.zeros([], jnp.int32),
                               jnp.float32(levels[0]), jnp.zeros([], jnp.float32),
                               jnp.zeros([], bool), jnp.zeros([], jnp.int32))
@@ -115,12 +142,15 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None):
     del params
     layout, nodes, local, shard = shapes(updates)
-    if error_feedback and sparse and state.residual.shape != (shard,):
-      raise ValueError(f"state residual has shape {state.residual.shape}, expected ({shard},): "
-                       "was init run inside the same shard_map mesh?")
+    if error_feedback and sparse:
+      for r in jax.tree.leaves(state.residual):
+        if r.shape != (shard,):
+          raise ValueError(f"state residual has shape {r.shape}, expected ({shard},): "
+                           "was init run inside the same shard_map mesh?")
     flat = layout.ravel(updates, jnp.float32)
-    finite = lax.pmin(jnp.all(jnp.isfinite(flat)).astype(jnp.int32), axes).astype(bool)
-    flat = jnp.where(finite, flat, 0.0)
+    finite = lax.pmin(_all_finite(flat).astype(jnp.int32), axes).astype(bool)
+    if sparse:  # keep NaN out of the selection; a dense sum is simply masked afterwards
+      flat = jnp.where(finite, flat, 0.0)
     residual = state.residual if (sparse and error_feedback) else None
     n = layout.padded_size
 
@@ -137,10 +167,14 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
         if algorithm == "hitopk":
           total, new_res = comm.hitopk_allreduce(flat, k, node_axis=node_axis,
                                                  local_axis=local_axis, residual=residual,
-                                                 select=select)
+                                                 select=select, momentum=momentum,
+                                                 nesterov=nesterov,
+                                                 momentum_masking=momentum_masking)
         else:
           total, new_res = comm.topk_allgather(flat, k, axes=axes, residual=residual,
-                                               select=select)
+                                               select=select, momentum=momentum,
+                                               nesterov=nesterov,
+                                               momentum_masking=momentum_masking)
         sent = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local)
         return total, (new_res if residual is not None else None), \
             jnp.float32(sent["inter"] + sent["intra"])
@@ -158,7 +192,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
 
     mean = jnp.where(finite, total / (nodes * local), 0.0)
     if residual is not None:
-      new_res = jnp.where(finite, new_res, state.residual)
+      new_res = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_res, state.residual)
     else:
       new_res = state.residual
     out = layout.unravel(mean)

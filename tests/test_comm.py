@@ -77,6 +77,69 @@ def test_hitopk_equals_numpy(rng, nodes, local, dtype):
   np.testing.assert_allclose(total, np.broadcast_to(want, total.shape), rtol=tol, atol=tol)
 
 
+def np_corrected_step(x, res, vel, k, momentum, nesterov, masking):
+  """DGC momentum correction of one buffer, in numpy: returns (values, indices, res, vel)."""
+  vel = momentum * vel + x
+  acc = res + (x + momentum * vel if nesterov else vel)
+  vals, idx = np_topk_pairs(acc, k)
+  acc, vel = acc.copy(), vel.copy()
+  acc[idx] = 0
+  if masking:
+    vel[idx] = 0
+  return vals, idx, acc, vel
+
+
+@pytest.mark.parametrize("algorithm,nesterov,masking", [
+    ("allgather", False, True), ("allgather", True, False),
+    ("hitopk", True, True), ("hitopk", False, False)])
+def test_momentum_correction_equals_numpy(rng, algorithm, nesterov, masking):
+  """Three steps of DGC momentum correction (velocity accumulated before selection, both
+  buffers masked where sent) against a numpy reference, per worker and per shard."""
+  nodes, local, shard, k, m = 2, 4, 1013, 17, 0.87
+  p = nodes * local
+  n = shard * local
+  r = shard if algorithm == "hitopk" else n
+  xs = [rng.standard_normal((p, n)).astype(np.float32) for _ in range(3)]
+  mesh = make_mesh(nodes, local)
+
+  def body(*steps):
+    state = comm.Corrected(jnp.zeros(r), jnp.zeros(r))
+    totals = []
+    for x in steps:
+      if algorithm == "hitopk":
+        total, state = comm.hitopk_allreduce(x, k, node_axis="node", local_axis="local",
+                                             residual=state, select="exact", momentum=m,
+                                             nesterov=nesterov, momentum_masking=masking)
+      else:
+        total, state = comm.topk_allgather(x, k, axes=("node", "local"), residual=state,
+                                           select="exact", momentum=m, nesterov=nesterov,
+                                           momentum_masking=masking)
+      totals.append(total)
+    return totals, state
+
+  totals, state = run_workers(mesh, body, *xs)
+  assert isinstance(state, comm.Corrected)
+  res, vel = np.zeros((p, r)), np.zeros((p, r))
+  for step, x in enumerate(xs):
+    want = np.zeros(n)
+    for w in range(p):
+      node, i = divmod(w, local)
+      if algorithm == "hitopk":
+        node_sum = x[node * local:(node + 1) * local].sum(0)
+        part, offset = node_sum[i * shard:(i + 1) * shard], i * shard
+      else:
+        part, offset = x[w], 0
+      vals, idx, res[w], vel[w] = np_corrected_step(part.astype(np.float64), res[w], vel[w], k,
+                                                    m, nesterov, masking)
+      np.add.at(want, idx + offset, vals)
+    np.testing.assert_allclose(totals[step], np.broadcast_to(want, totals[step].shape),
+                               rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(state.residual, res, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(state.velocity, vel, rtol=1e-4, atol=1e-4)
+  if masking:
+    assert np.count_nonzero(state.velocity == 0) >= p * k  # masked where sent
+
+
 @pytest.mark.parametrize("algorithm", ["allgather", "hitopk"])
 def test_mstopk_inside_collectives_sends_what_it_keeps_back(rng, algorithm):
   """With MSTopK (recall < 1 allowed) the identity total + residuals = inputs still holds."""
@@ -185,3 +248,13 @@ def test_bad_input():
   with pytest.raises(ValueError, match="1-D"):
     run_workers(mesh, lambda v: comm.topk_allgather(v, 3, axes="node"), np.ones((8, 3, 4)))
   assert topk.check_k(x, 3) == (12, 3)
+  pair = comm.Corrected(jnp.zeros(1012), jnp.zeros(1012))
+  for kwargs, match in (({"momentum": 0.9}, "needs residual=Corrected"),
+                        ({"residual": pair}, "momentum is 0"),
+                        ({"residual": pair, "momentum": 1.0},
+                         "momentum must be in \\[0, 1\\), got 1.0"),
+                        ({"residual": comm.Corrected(jnp.zeros(1012), jnp.zeros(5)),
+                          "momentum": 0.5}, "velocity must have shape \\(1012,\\)")):
+    with pytest.raises(ValueError, match=match):
+      run_workers(mesh, lambda v, kw=kwargs: comm.topk_allgather(v, 3, axes="node", **kw),
+                  np.ones((8, 1012), np.float32))

@@ -7,6 +7,7 @@ import optax
 import pytest
 from conftest import make_mesh, run_workers
 
+from sparsejax import comm
 from sparsejax.compress import TopKAllReduceState, density_levels, topk_allreduce
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -70,16 +71,20 @@ def test_error_feedback_loses_nothing(rng, nodes, local, algorithm):
   assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
 
 
-def test_non_finite_gradient_skips_step(rng):
+@pytest.mark.parametrize("algorithm,bad", [("hitopk", np.nan), ("hitopk", -np.inf),
+                                           ("dense", np.inf), ("dense", np.nan)])
+def test_non_finite_gradient_skips_step(rng, algorithm, bad):
   nodes, local = 2, 4
   g1, g2 = grads_like(rng, 8), grads_like(rng, 8)
-  g2["w"][5, 1, 2] = np.nan  # one worker, one value
-  outs, state = run_steps(make_mesh(nodes, local), topk_allreduce(0.05), [g1, g2])
+  g2["w"][5, 1, 2] = bad  # one worker, one value
+  tx = topk_allreduce(0.05, algorithm=algorithm)
+  outs, state = run_steps(make_mesh(nodes, local), tx, [g1, g2])
   for leaf in jax.tree.leaves(outs[1]):
     assert np.all(leaf == 0)
   # The residual after the skipped step equals the residual after step one.
-  _, state1 = run_steps(make_mesh(nodes, local), topk_allreduce(0.05), [g1])
-  np.testing.assert_array_equal(state.residual, state1.residual)
+  _, state1 = run_steps(make_mesh(nodes, local), tx, [g1])
+  for a, b in zip(jax.tree.leaves(state.residual), jax.tree.leaves(state1.residual), strict=True):
+    np.testing.assert_array_equal(a, b)
   assert state.skipped.all() and (state.skipped_steps == 1).all() and (state.count == 2).all()
 
 
@@ -119,6 +124,45 @@ def test_state_is_a_named_tuple_and_jits(rng):
   assert (state.bytes_sent > 0).all()
 
 
+@pytest.mark.parametrize("masking", [True, False])
+def test_momentum_correction_loses_nothing(rng, masking):
+  """With momentum correction what is sent plus what is kept equals the sum of the velocities
+  (the momentum of the summed gradient, restarted where sent if masking), and a skipped step
+  keeps both. HiTopKComm on one node of 8: every coordinate has one owner, so the outputs say
+  what was sent. Without masking the velocity is plain momentum: sent + kept is momentum SGD's."""
+  algorithm, nodes, local, m = "hitopk", 1, 8, 0.9
+  p, steps = nodes * local, 6
+  seq = [grads_like(rng, p) for _ in range(steps)]
+  bad = grads_like(rng, p)
+  bad["b"][3, 2] = np.inf
+  tx = topk_allreduce(0.03, algorithm=algorithm, momentum=m, momentum_masking=masking)
+  outs, state = run_steps(make_mesh(nodes, local), tx, seq + [bad])
+  assert isinstance(state.residual, comm.Corrected)
+  assert state.skipped.all() and all((leaf == 0).all() for leaf in jax.tree.leaves(outs[-1]))
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  n = leaves(seq[0]).shape[1]
+
+  def merged(buf):  # per-worker shards -> the whole buffer
+    return buf.reshape(-1)[:n]
+
+  # Rebuild the state from the inputs and outputs alone: the residual accumulates the velocity
+  # and loses what was sent (the non-zero outputs); the velocity restarts where sent.
+  velocity, total_u, sent = np.zeros(n), np.zeros(n), np.zeros(n)
+  for g, out in zip(seq, outs[:-1], strict=True):
+    velocity = m * velocity + leaves(g).sum(0)
+    total_u += velocity
+    o = leaves(out)[0] * p
+    sent += o
+    total_u[o != 0] -= o[o != 0]  # what was sent leaves the residual ...
+    if masking:
+      velocity[o != 0] = 0  # ... and the velocity restarts (momentum factor masking)
+  np.testing.assert_allclose(merged(state.residual.velocity), velocity, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(merged(state.residual.residual), total_u, rtol=1e-4, atol=1e-4)
+  assert sent.any()
+  assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
+
+
 def test_bad_input():
   for d in (0, 1.5, -0.1, True, "0.1"):
     with pytest.raises(ValueError, match="density must be a number in \\(0, 1\\]"):
@@ -127,6 +171,17 @@ def test_bad_input():
     topk_allreduce(0.1, algorithm="ring")
   with pytest.raises(ValueError, match="unknown selector 'fast'"):
     topk_allreduce(0.1, selector="fast")
+  for m in (-0.1, 1.0, "0.9", True):
+    with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\)"):
+      topk_allreduce(0.1, momentum=m)
+  with pytest.raises(ValueError, match="algorithm='dense'"):
+    topk_allreduce(0.1, algorithm="dense", momentum=0.9)
+  with pytest.raises(ValueError, match="error_feedback=False"):
+    topk_allreduce(0.1, momentum=0.9, error_feedback=False)
+  with pytest.raises(ValueError, match="nesterov=True needs momentum"):
+    topk_allreduce(0.1, nesterov=True)
+  with pytest.raises(ValueError, match="momentum_masking must be True or False, got 'no'"):
+    topk_allreduce(0.1, momentum=0.9, momentum_masking="no")
   tx = topk_allreduce(0.1)
   with pytest.raises(ValueError, match="'node' is not bound"):
     tx.init({"w": jnp.ones(4)})

@@ -14,9 +14,13 @@ import convergence  # noqa: E402
 
 def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
   out = tmp_path / "results" / "convergence.json"
-  argv = ["--quick", "--tasks", "kjv", "--variants", "dense,hitopk-0.001-no-ef",
+  argv = ["--quick", "--tasks", "kjv", "--variants", "dense,hitopk-0.001-no-ef,hitopk-0.001-mc",
           "--workdir", str(tmp_path / "runs"), "--out", str(out)]
   assert convergence.main(argv) == 0
+  # momentum correction needs SGD: skipped for the AdamW task, run for the SGD ones
+  assert "kjv hitopk-0.001-mc: skipped" in capsys.readouterr().out
+  assert convergence.applies("fashion_mnist", "hitopk-0.001-mc-nomask")
+  assert convergence.applies("kjv_sgd", "hitopk-0.001-mc")
   got = json.loads((tmp_path / "results" / "convergence_quick.json").read_text())
   rows = {r["variant"]: r for r in got["rows"]}
   assert set(rows) == {"dense", "hitopk-0.001-no-ef"} and rows["dense"]["vs_dense"] == 0.0

@@ -88,19 +88,23 @@ def test_resumed_run_has_exactly_the_metrics_of_the_uninterrupted_run(full_run, 
   assert read_csv(os.path.join(resumed, "eval.csv")) == read_csv(os.path.join(workdir, "eval.csv"))
 
 
-def test_dense_density_one_equals_plain_optax_with_pmean(rng):
+@pytest.mark.parametrize("decay_in", ["optimizer", "gradient"])
+def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   """The trainer with the dense all-reduce and the fused SGD gives the loss curve of a plain
-  shard_map step: optax.sgd on the pytree after a pmean of the gradients."""
+  shard_map step: optax.sgd on the pytree after a pmean of the gradients. The weight decay is
+  either the optimizer's or the trainer's (added to the gradient, as with momentum correction):
+  the same thing for a dense mean."""
   config = default_config()
   config.compression.algorithm = "dense"
   config.compression.density = 1.0
   config.optimizer.name = "sgd"
   config.optimizer.nesterov = True
-  config.optimizer.weight_decay = 1e-3
+  config.optimizer.weight_decay = 1e-3 if decay_in == "optimizer" else 0.0
   model = models.build("resnet20", num_classes=10, num_filters=4)
   mesh = make_mesh(2, 4)
   trainer = Trainer(model, mesh, config.compression,
-                    lambda layout: build_optimizer(config.optimizer, 0.05, layout), num_classes=10)
+                    lambda layout: build_optimizer(config.optimizer, 0.05, layout), num_classes=10,
+                    weight_decay=1e-3 if decay_in == "gradient" else 0.0)
   state = trainer.init(1, (8, 8, 1))
   # no zero-size array anywhere in the state (the dense algorithm has no residual): jax 0.11.2's
   # XLA:CPU compiler segfaults on a sharded zero-size array in the jitted shard_map step
@@ -244,3 +248,46 @@ def test_checkpoints_hold_zero_size_arrays(tmp_path):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state), strict=True):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
+  """compression.momentum_correction: the fused SGD runs without momentum, the compressor keeps
+  a velocity beside the residual (Nesterov as configured), training runs, and the state survives
+  a checkpoint round trip."""
+  from sparsejax.comm import Corrected
+  from sparsejax.train.checkpoint import Checkpointer
+  from sparsejax.train.loop import build_trainer
+  config = validate(small_config(**{"compression.momentum_correction": True,
+                                    "compression.density": 0.02,
+                                    "compression.momentum_masking": True,
+                                    "model.num_filters": 4}))
+  trainer = build_trainer(config, make_mesh(2, 4), 10, steps_per_epoch=10, total_steps=20)
+  assert (trainer.momentum, trainer.nesterov, trainer.weight_decay) == (0.9, True, 5e-4)
+  assert trainer.momentum_masking
+  state = trainer.init(0, (8, 8, 1))
+  assert state.opt_state.momentum is None  # the optimizer has no momentum of its own
+  residual = state.comm_state.residual
+  assert isinstance(residual, Corrected) and residual.velocity.shape == residual.residual.shape
+  train, _ = data_lib.digits()
+  step = trainer.train_step_fn(state)
+  for i in range(3):
+    state, metrics = step(state, *trainer.shard_batch(train.images[i * 128:(i + 1) * 128],
+                                                      train.labels[i * 128:(i + 1) * 128]))
+    assert np.isfinite(float(metrics["loss"]))
+  velocity = np.asarray(state.comm_state.residual.velocity)
+  assert np.abs(velocity).sum() > 0  # accumulated ...
+  shard = velocity.shape[1]  # ... and masked where sent: at least k zeros on every worker
+  assert ((velocity == 0).sum(1) >= round(float(state.comm_state.density[0]) * shard)).all()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1)
+  ckpt.save(3, state)
+  got = ckpt.restore(3, jax.tree.map(jnp.zeros_like, state))
+  ckpt.close()
+  np.testing.assert_array_equal(np.asarray(got.comm_state.residual.velocity), velocity)
+
+
+def test_momentum_correction_needs_sgd_with_momentum():
+  for changes, match in (({"optimizer.name": "lars"}, "optimizer.name.*sgd with optimizer"),
+                         ({"optimizer.momentum": 0.0}, "optimizer.momentum = 0.0"),
+                         ({"compression.error_feedback": False}, "compression.error_feedback")):
+    with pytest.raises(ValueError, match=match):
+      validate(small_config(**{"compression.momentum_correction": True, **changes}))

@@ -68,6 +68,11 @@ def default_config() -> ml_collections.ConfigDict:
       "density": 0.01,
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
+      # DGC momentum correction: the SGD momentum (and weight decay) is accumulated before top-k
+      # selection instead of in the optimizer; optimizer sgd with momentum > 0 only. No effect
+      # with the dense algorithms (nothing is delayed there).
+      "momentum_correction": False,
+      "momentum_masking": True,  # zero the velocity where sent (DGC); False: it runs on
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
   })
@@ -148,6 +153,12 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
        "compression.algorithm", "one of hitopk, allgather, hierarchical, dense")
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
+  if c.compression.momentum_correction:
+    need(c.optimizer.name == "sgd" and 0 < c.optimizer.momentum < 1, "optimizer.name",
+         "sgd with optimizer.momentum in (0, 1) when compression.momentum_correction is True "
+         f"(optimizer.momentum = {c.optimizer.momentum!r})")
+    need(c.compression.error_feedback, "compression.error_feedback",
+         "True when compression.momentum_correction is True")
   need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
   need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")

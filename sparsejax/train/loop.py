@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from tqdm import tqdm
 
@@ -56,9 +57,19 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
   model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
                        **extra)
   lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
+  opt, corrected = config.optimizer, {}
+  if config.compression.momentum_correction and config.compression.algorithm in ("hitopk",
+                                                                                 "allgather"):
+    # DGC momentum correction: the momentum moves from the optimizer into the compressor, and
+    # the weight decay into the gradient before it (so it passes through the momentum too)
+    corrected = {"momentum": opt.momentum, "nesterov": opt.nesterov,
+                 "momentum_masking": config.compression.momentum_masking,
+                 "weight_decay": opt.weight_decay}
+    opt = ml_collections.ConfigDict(opt.to_dict())
+    opt.momentum, opt.nesterov, opt.weight_decay = 0.0, False, 0.0
   return step_lib.Trainer(
       model, mesh, config.compression,
-      lambda layout: step_lib.build_optimizer(config.optimizer, lr, layout),
+      lambda layout: step_lib.build_optimizer(opt, lr, layout), **corrected,
       num_classes=num_classes, label_smoothing=config.label_smoothing,
       density_schedule=schedules.density(config.compression, steps_per_epoch), learning_rate=lr,
       seed=config.seed)

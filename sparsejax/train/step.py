@@ -99,6 +99,12 @@ class Trainer:
     num_classes, label_smoothing: for the loss.
     learning_rate: the optimizer's schedule, reported per step (optional).
     seed: seeds the dropout keys (folded with the step and the worker index).
+    momentum, nesterov, momentum_masking: momentum correction in the compressor
+      (`topk_allreduce`); momentum 0 = none (else the optimizer from `make_optimizer` must have
+      no momentum of its own).
+    weight_decay: coupled weight decay added to the gradient before compression, on the leaves
+      of `decay_mask` (with momentum correction it then passes through the momentum, as in DGC;
+      the optimizer must then have no weight decay of its own); 0 = none.
 
   Inputs may be one array or a tuple of arrays (the encoder-decoder's source and target); labels
   are int32 class ids [batch] or token ids [batch, length] (0 = padding, not counted).
@@ -113,6 +119,10 @@ class Trainer:
   density_schedule: Callable | None = None
   learning_rate: Callable | None = None  # the schedule, only to report the rate of each step
   seed: int = 0  # dropout randomness: a key per (step, worker) folded from it
+  momentum: float = 0.0  # DGC momentum correction inside topk_allreduce
+  nesterov: bool = False
+  momentum_masking: bool = True
+  weight_decay: float = 0.0  # added to the gradient before compression
 
   def __post_init__(self):
     self.num_workers = self.mesh.size
@@ -120,7 +130,9 @@ class Trainer:
     c = self.compression
     self.comm = topk_allreduce(c.density, algorithm=c.algorithm, selector=c.selector,
                                error_feedback=c.error_feedback,
-                               density_schedule=self.density_schedule)
+                               density_schedule=self.density_schedule,
+                               momentum=self.momentum, nesterov=self.nesterov,
+                               momentum_masking=self.momentum_masking)
     self.layout: FlatLayout | None = None
     self.optimizer: optax.GradientTransformation | None = None
 
@@ -222,6 +234,9 @@ class Trainer:
                                jax.lax.axis_index(WORKERS))
       (loss, (logits, new_stats)), grads = jax.value_and_grad(self._loss, has_aux=True)(
           params, batch_stats, images, labels, rng)
+      if self.weight_decay:
+        grads = jax.tree.map(lambda g, p, m: g + self.weight_decay * p if m else g,
+                             grads, params, decay_mask(params))
       flat_grads = layout.ravel(grads, jnp.float32)
       mean_grads, comm_state = comm.update(flat_grads, comm_state)
       updates, opt_state = optimizer.update(mean_grads, state.opt_state, state.params)
