@@ -71,8 +71,7 @@ def test_error_feedback_loses_nothing(rng, nodes, local, algorithm):
   assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
 
 
-@pytest.mark.parametrize("algorithm,bad", [("hitopk", np.nan), ("hitopk", -np.inf),
-                                           ("dense", np.inf), ("dense", np.nan)])
+@pytest.mark.parametrize("algorithm,bad", [("hitopk", np.nan), ("dense", -np.inf)])
 def test_non_finite_gradient_skips_step(rng, algorithm, bad):
   nodes, local = 2, 4
   g1, g2 = grads_like(rng, 8), grads_like(rng, 8)
