@@ -88,7 +88,8 @@ def test_resumed_run_has_exactly_the_metrics_of_the_uninterrupted_run(full_run, 
   assert read_csv(os.path.join(resumed, "eval.csv")) == read_csv(os.path.join(workdir, "eval.csv"))
 
 
-@pytest.mark.parametrize("decay_in", ["optimizer", "gradient"])
+@pytest.mark.parametrize("decay_in", [
+    "optimizer", pytest.param("gradient", marks=pytest.mark.slow)])  # slow: CI's 15-min budget
 def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   """The trainer with the dense all-reduce and the fused SGD gives the loss curve of a plain
   shard_map step: optax.sgd on the pytree after a pmean of the gradients. The weight decay is
