@@ -24,9 +24,10 @@ from jax import lax
 from sparsejax import topk as topk_lib
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
-           "wire_bytes", "axis_size", "Corrected", "ALGORITHMS"]
+           "wire_bytes", "axis_size", "Corrected", "ALGORITHMS", "SPARSE_ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
+SPARSE_ALGORITHMS = ("allgather", "hitopk")  # the ones that select top-k (and keep a residual)
 
 
 class Corrected(NamedTuple):

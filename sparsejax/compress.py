@@ -105,7 +105,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   if algorithm not in comm.ALGORITHMS:
     raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
   select = topk_lib.get_selector(selector)
-  sparse = algorithm in ("hitopk", "allgather")
+  sparse = algorithm in comm.SPARSE_ALGORITHMS
   if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
     raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
   if momentum and not (sparse and error_feedback):

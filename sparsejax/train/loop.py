@@ -14,8 +14,8 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
+from sparsejax import comm, models
 from sparsejax import data as data_lib
-from sparsejax import models
 from sparsejax.train import checkpoint, schedules
 from sparsejax.train import config as config_lib
 from sparsejax.train import step as step_lib
@@ -58,8 +58,8 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
                        **extra)
   lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
   opt, corrected = config.optimizer, {}
-  if config.compression.momentum_correction and config.compression.algorithm in ("hitopk",
-                                                                                 "allgather"):
+  if (config.compression.momentum_correction
+      and config.compression.algorithm in comm.SPARSE_ALGORITHMS):
     # DGC momentum correction: the momentum moves from the optimizer into the compressor, and
     # the weight decay into the gradient before it (so it passes through the momentum too)
     corrected = {"momentum": opt.momentum, "nesterov": opt.nesterov,
