@@ -9,15 +9,19 @@ For the ResNet-50 tree (161 leaves, 25,557,032 values) and the Transformer-base 
 
   optax   the optax optimizer on the pytree;
   pytree  the fused optimizer's pytree face (drop-in for optax: pytrees in and out, flat state);
-  flat    the fused optimizer's flat face (1-D buffers, as the trainer calls it);
+  flat    the fused optimizer's flat face (1-D buffers, as the trainer calls it); on CPU this is
+          the C++ kernel of `sparsejax.cpu_kernels` when it could be built;
+  flat_xla  the flat face's pure-XLA path (what runs without a compiler, and on GPU);
   floor   one elementwise pass that reads each buffer the update reads (grads, params, moments)
           once and writes each buffer it writes (updates, moments) once.
 
 Every variant is jitted with the gradient and the optimizer state donated, as in a training step
-(no fresh allocations for outputs), and timed in the same process: median and quartiles of `--runs`
-calls after two warm-up calls. Kernels are the work-launching instructions of the optimized HLO
-(`sparsejax.hlo.num_kernels`: fusions, custom calls and unfused ops). Writes JSON and a markdown
-table next to it.
+(no fresh allocations for outputs), and timed in the same process, interleaved: each round calls
+every variant once, so slow spells of this shared machine hit all of them. Reported: median and
+quartiles of `--runs` rounds after two warm-up rounds, and the median over rounds of the per-round
+ratios flat / floor and optax / flat. Kernels are the work-launching instructions of the
+optimized HLO (`sparsejax.hlo.num_kernels`: fusions, custom calls and unfused ops). Writes JSON and
+a markdown table next to it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import param_trees  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from sparsejax import hlo, optim  # noqa: E402
+from sparsejax import cpu_kernels, hlo, optim  # noqa: E402
 
 LR, WD = 0.1, 1e-4
 
@@ -64,23 +68,28 @@ def floor(g, moments, p):
   return g * 0.5 + p * 0.25, tuple(m * 0.75 for m in moments)
 
 
-def time_update(fn: Callable, g, state, p, runs: int) -> dict[str, float]:
-  """Times `fn(g, state, p) -> (u, state)` jitted with g and state donated; milliseconds."""
+def compile_update(fn: Callable, g, state, p):
+  """`fn(g, state, p) -> (u, state)` jitted with g and state donated, and its kernel count."""
   jitted = jax.jit(fn, donate_argnums=(0, 1))
-  kernels = hlo.num_kernels(jitted.lower(g, state, p).compile())
-  times = []
+  return jitted, hlo.num_kernels(jitted.lower(g, state, p).compile())
+
+
+def time_interleaved(variants: dict[str, tuple], runs: int) -> dict[str, list[float]]:
+  """variants: name -> [jitted, g, state, p]. Each round calls each variant once (fresh copy of
+  g, the state carried over); returns each variant's times in seconds, round by round."""
+  times: dict[str, list[float]] = {k: [] for k in variants}
   for i in range(runs + 2):
-    g_in = jax.tree.map(jnp.copy, g)
-    jax.block_until_ready(g_in)
-    t0 = time.perf_counter()
-    u, state = jitted(g_in, state, p)
-    jax.block_until_ready((u, state))
-    if i >= 2:
-      times.append(time.perf_counter() - t0)
-    del u
-  return {"median_ms": 1e3 * statistics.median(times),
-          "q1_ms": 1e3 * float(np.percentile(times, 25)),
-          "q3_ms": 1e3 * float(np.percentile(times, 75)), "kernels": kernels}
+    for name, v in variants.items():
+      jitted, g, state, p = v
+      g_in = jax.tree.map(jnp.copy, g)
+      jax.block_until_ready(g_in)
+      t0 = time.perf_counter()
+      u, v[2] = jitted(g_in, state, p)
+      jax.block_until_ready((u, v[2]))
+      if i >= 2:
+        times[name].append(time.perf_counter() - t0)
+      del u
+  return times
 
 
 def random_tree(shapes, seed: int):
@@ -98,34 +107,50 @@ def bench_tree(name: str, shapes, names: list[str], runs: int) -> list[dict]:
     make_fused, reference = optimizers()[opt]
     cases = {"optax": (reference, grads, params), "pytree": (make_fused(), grads, params),
              "flat": (make_fused(layout=layout), flat_g, flat_p)}
+    variants, kernels = {}, {}
     for impl, (tx, g, p) in cases.items():
       state = tx.init(p)
-      res = time_update(tx.update, g, state, p, runs)
-      rows.append({"tree": name, "optimizer": opt, "impl": impl, "values": n, **res})
-      print(f"{name:17s} {opt:6s} {impl:7s} {res['median_ms']:8.1f} ms  kernels={res['kernels']}",
+      jitted, kernels[impl] = compile_update(tx.update, g, state, p)
+      variants[impl] = [jitted, g, state, p]
+    with cpu_kernels.disabled():
+      tx = make_fused(layout=layout)
+      state = tx.init(flat_p)
+      jitted, kernels["flat_xla"] = compile_update(tx.update, flat_g, state, flat_p)
+      variants["flat_xla"] = [jitted, flat_g, state, flat_p]
+    moments = tuple(jnp.copy(x) for x in jax.tree.leaves(state) if x.ndim == 1 and x.size)
+    jitted, kernels["floor"] = compile_update(floor, flat_g, moments, flat_p)
+    variants["floor"] = [jitted, flat_g, moments, flat_p]
+    times = time_interleaved(variants, runs)
+    ratios = {"flat_over_floor": [a / b for a, b in zip(times["flat"], times["floor"])],
+              "optax_over_flat": [a / b for a, b in zip(times["optax"], times["flat"])]}
+    for impl, ts in times.items():
+      row = {"tree": name, "optimizer": opt, "impl": impl, "values": n,
+             "median_ms": 1e3 * statistics.median(ts),
+             "q1_ms": 1e3 * float(np.percentile(ts, 25)),
+             "q3_ms": 1e3 * float(np.percentile(ts, 75)), "kernels": kernels[impl]}
+      if impl == "flat":
+        row.update({k: statistics.median(v) for k, v in ratios.items()})
+      rows.append(row)
+      print(f"{name:17s} {opt:6s} {impl:8s} {row['median_ms']:8.1f} ms  kernels={row['kernels']}",
             flush=True)
-      del state
-    fused_state = cases["flat"][0].init(flat_p)
-    moments = tuple(x for x in jax.tree.leaves(fused_state) if x.ndim == 1 and x.size)
-    res = time_update(floor, flat_g, moments, flat_p, runs)
-    rows.append({"tree": name, "optimizer": opt, "impl": "floor", "values": n, **res})
-    print(f"{name:17s} {opt:6s} {'floor':7s} {res['median_ms']:8.1f} ms  kernels={res['kernels']}",
-          flush=True)
+    del variants
   return rows
 
 
 def table(rows: list[dict]) -> str:
   get = {(r["tree"], r["optimizer"], r["impl"]): r for r in rows}
-  lines = ["| tree | optimizer | optax ms | fused pytree ms | fused flat ms | floor ms | "
-           "flat speed-up over optax | flat / floor | kernels optax / pytree / flat |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = ["| tree | optimizer | optax ms | fused pytree ms | fused flat ms | flat, XLA path ms | "
+           "floor ms | flat speed-up over optax | flat / floor | "
+           "kernels optax / pytree / flat / flat XLA |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for tree, opt in dict.fromkeys((r["tree"], r["optimizer"]) for r in rows):
-    o, t, f, fl = (get[(tree, opt, k)] for k in ("optax", "pytree", "flat", "floor"))
+    o, t, f, x, fl = (get[(tree, opt, k)]
+                      for k in ("optax", "pytree", "flat", "flat_xla", "floor"))
     lines.append(
         f"| {tree} | {opt} | {o['median_ms']:.1f} | {t['median_ms']:.1f} | {f['median_ms']:.1f} | "
-        f"{fl['median_ms']:.1f} | {o['median_ms'] / f['median_ms']:.2f}x | "
-        f"{f['median_ms'] / fl['median_ms']:.2f}x | "
-        f"{o['kernels']} / {t['kernels']} / {f['kernels']} |")
+        f"{x['median_ms']:.1f} | {fl['median_ms']:.1f} | {f['optax_over_flat']:.2f}x | "
+        f"{f['flat_over_floor']:.2f}x | "
+        f"{o['kernels']} / {t['kernels']} / {f['kernels']} / {x['kernels']} |")
   return "\n".join(lines)
 
 
@@ -153,6 +178,7 @@ def main() -> None:
   text = table(rows)
   print(text)
   meta = {"jax": jax.__version__, "optax": optax.__version__, "backend": jax.default_backend(),
+          "cpu_kernels": cpu_kernels.library_path() is not None,
           "cpu_count": os.cpu_count(), "machine": platform.machine(), "runs": runs,
           "command": " ".join(["python", "experiments/bench_optim.py"] + sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, text)

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from sparsejax import cpu_kernels
 from sparsejax.flat import FlatLayout
 
 __all__ = ["DEFAULT_ALIGN", "FusedMomentumState", "FusedAdamState", "fused_sgd", "fused_lars",
@@ -122,6 +123,9 @@ class _Plan:
   decay_rows: np.ndarray     # float32[rows], weight decay of each row's leaf (0: masked/padding)
   trust_leaves: np.ndarray   # bool[num_leaves + 1], where the trust ratio applies
   valid_len: np.ndarray      # int32[rows], number of real values in each row
+  # The CPU kernels' segment table: int64[S + 1] boundaries of the leaves and the gaps between
+  # them, float32[S] weight decay, int32[S] flags (1: a real leaf, 2: the trust ratio applies).
+  table: tuple[np.ndarray, np.ndarray, np.ndarray]
 
   @property
   def shape2d(self) -> tuple[int, int]:
@@ -152,7 +156,36 @@ def _make_plan(layout: FlatLayout, weight_decay: float, decay_mask: Any,
     valid[first:first + full] = layout.align
     if rest:
       valid[first + full] = rest
-  return _Plan(layout, row_ids, decay_leaves[row_ids], trust_leaves, valid.astype(np.int32))
+  return _Plan(layout, row_ids, decay_leaves[row_ids], trust_leaves, valid.astype(np.int32),
+               _segment_table(layout, decay_leaves, trust_leaves))
+
+
+def _segment_table(layout: FlatLayout, decay_leaves: np.ndarray, trust_leaves: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Segments covering [0, padded_size): each leaf, and each gap of padding as its own."""
+  starts, decay, flags = [0], [], []
+  for i, (offset, size) in enumerate(zip(layout.offsets, layout.sizes)):
+    if offset > starts[-1]:
+      starts.append(offset)
+      decay.append(0.0)
+      flags.append(0)
+    starts.append(offset + size)
+    decay.append(decay_leaves[i])
+    flags.append(1 | (2 if trust_leaves[i] else 0))
+  if layout.padded_size > starts[-1]:
+    starts.append(layout.padded_size)
+    decay.append(0.0)
+    flags.append(0)
+  return (np.asarray(starts, np.int64), np.asarray(decay, np.float32),
+          np.asarray(flags, np.int32))
+
+
+def _on_cpu(kernel: Callable[[], Any], xla: Callable[[], Any]) -> Any:
+  """`kernel()` where the computation is lowered for CPU and the C++ kernels of
+  `sparsejax.cpu_kernels` are enabled; `xla()` elsewhere (GPU, no compiler, or `disabled()`)."""
+  if not cpu_kernels.enabled():
+    return xla()
+  return lax.platform_dependent(cpu=kernel, default=xla)
 
 
 def _row_sums(*xs: jax.Array) -> tuple[jax.Array, ...]:
@@ -202,12 +235,17 @@ def _decay(plan: _Plan) -> jax.Array:
 # ----------------------------------------------------------------------------- the two faces
 
 
+# A kernel call `(plan, grads, state, params, flat) -> (updates, state)`: grads/params are lists
+# of float32 buffers, one flat buffer (flat=True) or one per leaf; see sparsejax.cpu_kernels.
+KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool], tuple[list, NamedTuple]]
+
+
 def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
           update_flat: Callable[[_Plan, jax.Array, NamedTuple, jax.Array | None], tuple],
-          plan_for: Callable[[FlatLayout], _Plan], layout: FlatLayout | None,
-          needs_params: bool) -> optax.GradientTransformation:
-  """Wraps a flat kernel `(plan, g, state, p) -> (u, state)` (float32[padded_size] buffers) into
-  one of the two faces."""
+          kernel: KernelFn | None, plan_for: Callable[[FlatLayout], _Plan],
+          layout: FlatLayout | None, needs_params: bool) -> optax.GradientTransformation:
+  """Wraps an update into one of the two faces. `update_flat(plan, g, state, p) -> (u, state)` is
+  the XLA path over float32[padded_size] buffers; `kernel` (or None) the CPU kernel path."""
   if layout is not None and not isinstance(layout, FlatLayout):
     raise ValueError(f"{name}: layout must be a sparsejax.flat.FlatLayout or None, got "
                      f"{type(layout).__name__}")
@@ -223,6 +261,10 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
       raise ValueError(f"{name} with a FlatLayout expects {what} as a 1-D buffer of length "
                        f"{lay.padded_size}, got {getattr(x, 'shape', type(x).__name__)}")
 
+  def check_params(params: Any) -> None:
+    if needs_params and params is None:
+      raise ValueError(f"{name} needs params in update(updates, state, params)")
+
   if layout is not None:
     def init_fn(params: jax.Array) -> NamedTuple:
       check_flat("params", params, layout)
@@ -230,14 +272,19 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
 
     def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None):
       check_flat("updates", updates, layout)
+      check_params(params)
       if needs_params:
-        if params is None:
-          raise ValueError(f"{name} needs params in update(updates, state, params)")
         check_flat("params", params, layout)
       plan = get_plan(layout)
       g = updates.astype(jnp.float32)
-      p = None if params is None else params.astype(jnp.float32)
-      u, state = update_flat(plan, g, state, p)
+      p = params.astype(jnp.float32) if needs_params else None
+
+      def on_kernel():
+        us, new_state = kernel(plan, [g], state, None if p is None else [p], True)
+        return us[0], new_state
+
+      u, state = _on_cpu(on_kernel, lambda: update_flat(plan, g, state, p)) if kernel else (
+          update_flat(plan, g, state, p))
       return u.astype(updates.dtype), state
   else:
     def init_fn(params: Any) -> NamedTuple:
@@ -245,13 +292,24 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
 
     def update_fn(updates: Any, state: NamedTuple, params: Any = None):
       lay = flat_layout(updates)
-      if needs_params and params is None:
-        raise ValueError(f"{name} needs params in update(updates, state, params)")
+      check_params(params)
       plan = get_plan(lay)
-      g = lay.ravel(updates, jnp.float32)
-      p = None if params is None else lay.ravel(params, jnp.float32)
-      u, state = update_flat(plan, g, state, p)
-      out = lay.unravel(u)
+
+      def on_xla():
+        g = lay.ravel(updates, jnp.float32)
+        p = lay.ravel(params, jnp.float32) if needs_params else None
+        u, new_state = update_flat(plan, g, state, p)
+        return jax.tree.leaves(lay.unravel(u)), new_state
+
+      def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
+        gs = [x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(updates)]
+        ps = ([x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(params)]
+              if needs_params else None)
+        us, new_state = kernel(plan, gs, state, ps, False)
+        return [u.astype(d) for u, d in zip(us, lay.dtypes)], new_state
+
+      us, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
+      out = jax.tree.unflatten(lay.treedef, us)
       return jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -297,12 +355,21 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
       g = g + _decay(plan) * p
     trace = state.momentum
     if momentum is not None:
-      t = g + momentum * state.momentum
-      g = g + momentum * t if nesterov else t
-      trace = t
+      trace = g + momentum * trace
+      g = g + momentum * trace if nesterov else trace
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
-  return _make("fused_sgd", init_flat, update_flat, plan_for, layout, needs_params=decayed)
+  def kernel(plan, gs, state, ps, flat):
+    lr = _learning_rate(learning_rate, state.count)
+    (trace,), us = cpu_kernels.update(
+        "sgd", jnp.reshape(lr, (1,)), (state.momentum,), gs, ps if decayed else None,
+        table=plan.table, flat=flat, momentum=np.float32(momentum), nesterov=bool(nesterov),
+        decayed=decayed)
+    return us, FusedMomentumState(optax.safe_increment(state.count), trace)
+
+  # Without momentum the update is one elementwise pass: XLA's fusion already is the floor.
+  return _make("fused_sgd", init_flat, update_flat, kernel if momentum is not None else None,
+               plan_for, layout, needs_params=decayed)
 
 
 # ----------------------------------------------------------------------------- LARS
@@ -347,7 +414,15 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
     u = u + momentum * t if nesterov else t
     return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
-  return _make("fused_lars", init_flat, update_flat, plan_for, layout, needs_params=True)
+  def kernel(plan, gs, state, ps, flat):
+    lr = _learning_rate(learning_rate, state.count)
+    (trace,), us = cpu_kernels.update(
+        "lars", jnp.reshape(lr, (1,)), (state.momentum,), gs, ps, table=plan.table, flat=flat,
+        momentum=np.float32(momentum), nesterov=bool(nesterov),
+        trust_coefficient=np.float32(trust_coefficient), eps=np.float32(eps))
+    return us, FusedMomentumState(optax.safe_increment(state.count), trace)
+
+  return _make("fused_lars", init_flat, update_flat, kernel, plan_for, layout, needs_params=True)
 
 
 # ----------------------------------------------------------------------------- Adam family
@@ -358,11 +433,16 @@ def _check_adam(b1: float, b2: float, eps: float, eps_root: float) -> tuple[floa
           _check_number("eps", eps, 0.0), _check_number("eps_root", eps_root, 0.0))
 
 
-def _adam_step(plan: _Plan, mu, nu, count_inc, b1, b2, eps, eps_root):
-  """optax.scale_by_adam's direction from the updated moments, float32[padded_size]."""
-  # Both bias corrections 1 / (1 - b**count) from one tiny kernel (fewer launches).
+def _adam_scalars(lr: jax.Array, count_inc: jax.Array, b1: float, b2: float) -> jax.Array:
+  """float32[3]: the learning rate and both bias corrections 1 / (1 - b**count), from one
+  tiny kernel (fewer launches)."""
   inv = 1.0 / (1.0 - jnp.asarray([b1, b2], jnp.float32) ** count_inc.astype(jnp.float32))
-  u = (mu * inv[0]) / (jnp.sqrt(nu * inv[1] + eps_root) + eps)
+  return jnp.concatenate([jnp.reshape(lr, (1,)), inv])
+
+
+def _adam_step(plan: _Plan, mu, nu, scalars, eps, eps_root):
+  """optax.scale_by_adam's direction from the updated moments, float32[padded_size]."""
+  u = (mu * scalars[1]) / (jnp.sqrt(nu * scalars[2] + eps_root) + eps)
   if eps == 0.0 and eps_root == 0.0:
     # 0/0 in the padding would poison the per-leaf norms; real values keep optax's behaviour.
     col = lax.rem(lax.iota(jnp.int32, u.shape[0]), jnp.int32(plan.layout.align))
@@ -373,6 +453,11 @@ def _adam_step(plan: _Plan, mu, nu, count_inc, b1, b2, eps, eps_root):
 def _adam_moments(g, mu, nu, b1: float, b2: float):
   """optax.scale_by_adam's moment updates, float32[padded_size]."""
   return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * (g * g) + b2 * nu
+
+
+def _adam_attrs(b1: float, b2: float, eps: float, eps_root: float) -> dict[str, np.float32]:
+  return {"b1": np.float32(b1), "b2": np.float32(b2), "eps": np.float32(eps),
+          "eps_root": np.float32(eps_root)}
 
 
 def _adam_init(plan: _Plan) -> FusedAdamState:
@@ -401,15 +486,24 @@ def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float =
     return _make_plan(lay, weight_decay, mask)
 
   def update_flat(plan, g, state, p):
-    lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
     mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
-    u = _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root)
+    u = _adam_step(plan, mu, nu, scalars, eps, eps_root)
     if decayed:
       u = u + _decay(plan) * p
-    return -lr * u, FusedAdamState(count_inc, mu, nu)
+    return -scalars[0] * u, FusedAdamState(count_inc, mu, nu)
 
-  return _make("fused_adamw", _adam_init, update_flat, plan_for, layout, needs_params=decayed)
+  def kernel(plan, gs, state, ps, flat):
+    count_inc = optax.safe_increment(state.count)
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    (mu, nu), us = cpu_kernels.update(
+        "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
+        flat=flat, **_adam_attrs(b1, b2, eps, eps_root), decayed=decayed)
+    return us, FusedAdamState(count_inc, mu, nu)
+
+  return _make("fused_adamw", _adam_init, update_flat, kernel, plan_for, layout,
+               needs_params=decayed)
 
 
 def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
@@ -433,13 +527,13 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     return _make_plan(lay, weight_decay, mask)
 
   def update_flat(plan, g, state, p):
-    lr = _learning_rate(learning_rate, state.count)
     count_inc = optax.safe_increment(state.count)
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
     decay = _decay(plan)
     mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
 
     def direction(mu, nu, p):
-      return _adam_step(plan, mu, nu, count_inc, b1, b2, eps, eps_root) + decay * p
+      return _adam_step(plan, mu, nu, scalars, eps, eps_root) + decay * p
 
     # The moments are written once; the direction is recomputed from them in the norm pass and
     # in the final pass instead of being materialised (the barrier stops XLA from sharing it):
@@ -448,7 +542,15 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     param_norm, update_norm = _leaf_norms(plan, p_b, direction(mu_b, nu_b, p_b))
     ratio = _trust_ratio(plan, param_norm, update_norm, 1.0, 0.0)
     u = direction(mu, nu, p)
-    return u * (ratio * -lr), FusedAdamState(count_inc, mu, nu)
+    return u * (ratio * -scalars[0]), FusedAdamState(count_inc, mu, nu)
 
-  return _make("fused_lamb", _adam_init, update_flat, plan_for, layout, needs_params=True)
+  def kernel(plan, gs, state, ps, flat):
+    count_inc = optax.safe_increment(state.count)
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    (mu, nu), us = cpu_kernels.update(
+        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat,
+        **_adam_attrs(b1, b2, eps, eps_root))
+    return us, FusedAdamState(count_inc, mu, nu)
+
+  return _make("fused_lamb", _adam_init, update_flat, kernel, plan_for, layout, needs_params=True)
 

@@ -1,0 +1,184 @@
+"""The fused optimizer updates as C++ kernels for XLA:CPU, called through the XLA FFI.
+
+XLA cannot fuse a reduction with the elementwise pass that consumes it, so on CPU LARS and LAMB
+read the big buffers twice from memory (norms, then update) and the Adam family pays for a
+multi-output fusion. `csrc/fused_update.cc` walks the flat buffer segment by segment (one segment
+per parameter tensor) and does the whole update of a segment at once: the norms, then the update
+while the segment is still in cache, on XLA's own intra-op thread pool.
+
+The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`/`g++`) into
+`$SPARSEJAX_CACHE_DIR` (default `~/.cache/sparsejax`), keyed by a hash of the source, the flags,
+the jaxlib version and the CPU, and written atomically (a crash leaves no half-written library).
+Without a compiler, or with `SPARSEJAX_CPU_KERNELS=0`, `available()` is False and `sparsejax.optim`
+uses its pure-XLA path (the same math, checked against it in the tests). Other platforms (GPU)
+always use the XLA path: there XLA's fusions already are the fused operator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from importlib import metadata, resources
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["available", "disabled", "enabled", "library_path", "update", "why_unavailable"]
+
+_SOURCE = "fused_update.cc"
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
+          "-fPIC", "-Wno-attributes", "-Wno-return-type")
+_TARGETS = {"sgd": "SparsejaxFusedSgd", "lars": "SparsejaxFusedLars",
+            "adamw": "SparsejaxFusedAdamw", "lamb": "SparsejaxFusedLamb"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("model name", "flags")):
+          return line
+  except OSError:
+    pass
+  return platform.processor()
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _build(cxx: str) -> str:
+  """Compiles the source (once per source/flags/jaxlib/CPU) and returns the library's path."""
+  source = resources.files("sparsejax").joinpath("csrc", _SOURCE).read_bytes()
+  include = jax.ffi.include_dir()
+  key = hashlib.sha256(b"\0".join([
+      source, " ".join(_FLAGS).encode(), metadata.version("jaxlib").encode(), _cpu_model().encode(),
+      cxx.encode()])).hexdigest()[:16]
+  cache = os.environ.get("SPARSEJAX_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "sparsejax")
+  path = os.path.join(cache, f"fused_update-{key}.so")
+  if os.path.exists(path):
+    return path
+  os.makedirs(cache, exist_ok=True)
+  # One builder at a time (test workers, processes of a run); the others then find the library.
+  with open(os.path.join(cache, "fused_update.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(path):
+      _compile(cxx, source, include, cache, path)
+  return path
+
+
+def _compile(cxx: str, source: bytes, include: str, cache: str, path: str) -> None:
+  with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    src = os.path.join(tmp, _SOURCE)
+    with open(src, "wb") as f:
+      f.write(source)
+    out = os.path.join(tmp, "lib.so")
+    proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", src, "-o", out],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+      raise RuntimeError(f"{cxx} failed on {_SOURCE}:\n{proc.stderr[:2000]}")
+    os.replace(out, path)  # atomic: a crash never leaves a half-written library under `path`
+
+
+def available() -> bool:
+  """True when the kernels are compiled, loaded and registered for the CPU platform."""
+  with _lock:
+    if "ok" in _state:
+      return bool(_state["ok"])
+    _state["ok"] = False
+    if os.environ.get("SPARSEJAX_CPU_KERNELS", "1") == "0":
+      _state["why"] = "disabled by SPARSEJAX_CPU_KERNELS=0"
+      return False
+    try:
+      cxx = _compiler()
+      if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
+      path = _build(cxx)
+      lib = ctypes.cdll.LoadLibrary(path)
+      for name, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(f"sparsejax_fused_{name}",
+                                    jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path, and say why
+      _state["why"] = f"{type(e).__name__}: {e}"
+      warnings.warn(f"sparsejax: CPU fused-update kernels unavailable, using the XLA path "
+                    f"({_state['why']})", RuntimeWarning, stacklevel=2)
+      return False
+    _state.update(ok=True, path=path, lib=lib)
+    return True
+
+
+@contextlib.contextmanager
+def disabled():
+  """Within this context, updates traced by `sparsejax.optim` use the XLA path even on CPU (for
+  comparing the two paths; jit caches what was traced, so trace fresh functions inside)."""
+  _state["disabled"] = _state.get("disabled", 0) + 1
+  try:
+    yield
+  finally:
+    _state["disabled"] -= 1
+
+
+def enabled() -> bool:
+  """True when `sparsejax.optim` should use the kernels on CPU: available and not `disabled()`."""
+  return not _state.get("disabled") and available()
+
+
+def library_path() -> str | None:
+  """Path of the loaded kernel library, or None (see `why_unavailable`)."""
+  return _state.get("path") if available() else None
+
+
+def why_unavailable() -> str | None:
+  """Why `available()` is False (None when it is True)."""
+  return None if available() else str(_state.get("why"))
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Sequence[jax.Array],
+           params: Sequence[jax.Array] | None, *, table: tuple[np.ndarray, ...], flat: bool,
+           **attrs: Any) -> tuple[tuple[jax.Array, ...], list[jax.Array]]:
+  """One fused update by the kernel `name` (sgd, lars, adamw, lamb) -> (new state, updates).
+
+  Args:
+    scalars: float32[k], the traced scalars (learning rate; then the Adam bias corrections).
+    state: the flat float32 state buffers (momentum; or mu, nu), each of length padded_size.
+    grads: float32 buffers: one flat buffer (`flat=True`) or one per leaf, in leaf order.
+    params: like `grads`, or None when the update does not read params.
+    table: (starts int64[S + 1], decay float32[S], flags int32[S]) of the layout
+      (`sparsejax.optim` builds it; flags: 1 = a real leaf, 2 = the trust ratio applies).
+    flat: whether grads/params are the flat layout or the leaves.
+    **attrs: the kernel's scalar attributes (numpy float32 / bool).
+  The new state is written over the old and the updates over the gradient (aliased operands).
+  """
+  if name not in _TARGETS:
+    raise ValueError(f"unknown fused-update kernel {name!r}; allowed: {sorted(_TARGETS)}")
+  k, n = len(state), len(grads)
+  out = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (*state, *grads)]
+  aliases = {1 + i: i for i in range(k + n)}  # operand 0 is `scalars`
+  starts, decay, flags = table
+  res = jax.ffi.ffi_call(f"sparsejax_fused_{name}", out, input_output_aliases=aliases,
+                         vmap_method="sequential")(
+      scalars, *state, *grads, *(params or ()), starts=starts, decay=decay, flags=flags,
+      flat=bool(flat), **attrs)
+  return tuple(res[:k]), list(res[k:])
