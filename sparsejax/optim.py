@@ -20,6 +20,11 @@ Two faces over the same kernels, chosen by `layout`:
   `FlatLayout.from_tree(params, align=DEFAULT_ALIGN)` so that every row lies inside one leaf; masks
   are still given per leaf.
 
+On CPU both faces run the same update as one C++ kernel (`sparsejax.cpu_kernels`, chosen with
+`lax.platform_dependent`): XLA cannot fuse the norm reduction with the pass that consumes it, the
+kernel does one tensor at a time while it is in cache; the pytree face passes the leaves to it as
+they are. The XLA code below is the path everywhere else (GPU, or no C++ compiler).
+
 State and arithmetic are float32 whatever the parameter dtype; updates are cast back to the dtype of
 the incoming updates.
 """

@@ -20,9 +20,9 @@ import pytest
 
 from sparsejax import cpu_kernels, optim
 
-# One leaf above the kernels' split size (131,072 values) and above the threading threshold in
-# total, odd sizes elsewhere, a scalar and a zero-size-looking tiny vector.
-SHAPES = {"big": (389, 401), "conv": (3, 3, 7, 13), "bias": (13,), "scale": (), "dense": (97, 1031),
+# One leaf above the kernels' split size (131,072 values), 266,534 values in all (above the
+# 262,144 from which the kernels use every thread of XLA's pool), odd sizes, a scalar.
+SHAPES = {"big": (389, 401), "conv": (3, 3, 7, 13), "bias": (13,), "scale": (), "dense": (97, 1131),
           "tail": (5,)}
 
 
