@@ -3,8 +3,9 @@
 XLA cannot fuse a reduction with the elementwise pass that consumes it, so on CPU LARS and LAMB
 read the big buffers twice from memory (norms, then update) and the Adam family pays for a
 multi-output fusion. `csrc/fused_update.cc` walks the flat buffer segment by segment (one segment
-per parameter tensor) and does the whole update of a segment at once: the norms, then the update
-while the segment is still in cache, on XLA's own intra-op thread pool.
+per parameter tensor; or the leaves themselves, for the pytree face) and does the whole update of
+a segment at once: the norms, then the update while the segment is still in cache, on XLA's own
+intra-op thread pool.
 
 The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`/`g++`) into
 `$SPARSEJAX_CACHE_DIR` (default `~/.cache/sparsejax`), keyed by a hash of the source, the flags,
@@ -161,7 +162,8 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
   """One fused update by the kernel `name` (sgd, lars, adamw, lamb) -> (new state, updates).
 
   Args:
-    scalars: float32[k], the traced scalars (learning rate; then the Adam bias corrections).
+    scalars: float32[k], the traced scalars: the learning rate, the Adam bias corrections
+      (adamw, lamb), and last the skip flag (nonzero: zero updates, the state left as it is).
     state: the flat float32 state buffers (momentum; or mu, nu), each of length padded_size.
     grads: float32 buffers: one flat buffer (`flat=True`) or one per leaf, in leaf order.
     params: like `grads`, or None when the update does not read params.

@@ -26,7 +26,8 @@ kernel does one tensor at a time while it is in cache; the pytree face passes th
 they are. The XLA code below is the path everywhere else (GPU, or no C++ compiler).
 
 State and arithmetic are float32 whatever the parameter dtype; updates are cast back to the dtype of
-the incoming updates.
+the incoming updates. `update(updates, state, params, skip=flag)` with a bool scalar `flag` returns
+zero updates and the unchanged state where it is set (a step with a non-finite gradient).
 """
 
 from __future__ import annotations
@@ -240,9 +241,24 @@ def _decay(plan: _Plan) -> jax.Array:
 # ----------------------------------------------------------------------------- the two faces
 
 
-# A kernel call `(plan, grads, state, params, flat) -> (updates, state)`: grads/params are lists
-# of float32 buffers, one flat buffer (flat=True) or one per leaf; see sparsejax.cpu_kernels.
-KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool], tuple[list, NamedTuple]]
+# A kernel call `(plan, grads, state, params, flat, skip) -> (updates, state)`: grads/params are
+# lists of float32 buffers, one flat buffer (flat=True) or one per leaf; skip is float32[1], the
+# last of the kernel's traced scalars (see sparsejax.cpu_kernels).
+KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool, jax.Array],
+                    tuple[list, NamedTuple]]
+
+
+def _skip_flag(name: str, skip: Any) -> jax.Array | None:
+  """`skip` as a bool scalar array (None stays None), or a ValueError naming what is wrong."""
+  if skip is None:
+    return None
+  if jnp.shape(skip) != ():
+    raise ValueError(f"{name}: skip must be a scalar (bool), got shape {jnp.shape(skip)}")
+  return jnp.asarray(skip).astype(bool)
+
+
+def _keep_if_skipped(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
+  return new if skip is None else jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
 
 
 def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
@@ -275,49 +291,72 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
       check_flat("params", params, layout)
       return init_flat(get_plan(layout))
 
-    def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None):
+    def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None, *,
+                  skip: Any = None):
       check_flat("updates", updates, layout)
       check_params(params)
       if needs_params:
         check_flat("params", params, layout)
+      skip = _skip_flag(name, skip)
       plan = get_plan(layout)
       g = updates.astype(jnp.float32)
       p = params.astype(jnp.float32) if needs_params else None
 
-      def on_kernel():
-        us, new_state = kernel(plan, [g], state, None if p is None else [p], True)
-        return us[0], new_state
+      def on_xla():
+        u, new_state = update_flat(plan, g, state, p)
+        if skip is not None:
+          u = jnp.where(skip, 0.0, u)
+        return u, _keep_if_skipped(skip, state, new_state)
 
-      u, state = _on_cpu(on_kernel, lambda: update_flat(plan, g, state, p)) if kernel else (
-          update_flat(plan, g, state, p))
+      def on_kernel():
+        us, new_state = kernel(plan, [g], state, None if p is None else [p], True,
+                               _skip_scalar(skip))
+        return us[0], _keep_count_if_skipped(skip, state, new_state)
+
+      u, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
       return u.astype(updates.dtype), state
   else:
     def init_fn(params: Any) -> NamedTuple:
       return init_flat(get_plan(flat_layout(params)))
 
-    def update_fn(updates: Any, state: NamedTuple, params: Any = None):
+    def update_fn(updates: Any, state: NamedTuple, params: Any = None, *, skip: Any = None):
       lay = flat_layout(updates)
       check_params(params)
+      skip = _skip_flag(name, skip)
       plan = get_plan(lay)
 
       def on_xla():
         g = lay.ravel(updates, jnp.float32)
         p = lay.ravel(params, jnp.float32) if needs_params else None
         u, new_state = update_flat(plan, g, state, p)
-        return jax.tree.leaves(lay.unravel(u)), new_state
+        if skip is not None:
+          u = jnp.where(skip, 0.0, u)
+        return jax.tree.leaves(lay.unravel(u)), _keep_if_skipped(skip, state, new_state)
 
       def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
         gs = [x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(updates)]
         ps = ([x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(params)]
               if needs_params else None)
-        us, new_state = kernel(plan, gs, state, ps, False)
-        return [u.astype(d) for u, d in zip(us, lay.dtypes)], new_state
+        us, new_state = kernel(plan, gs, state, ps, False, _skip_scalar(skip))
+        return ([u.astype(d) for u, d in zip(us, lay.dtypes)],
+                _keep_count_if_skipped(skip, state, new_state))
 
       us, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
       out = jax.tree.unflatten(lay.treedef, us)
       return jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _skip_scalar(skip: jax.Array | None) -> jax.Array:
+  """float32[1], the kernels' skip flag (their last traced scalar)."""
+  return jnp.zeros((1,), jnp.float32) if skip is None else jnp.reshape(skip, (1,)).astype(
+      jnp.float32)
+
+
+def _keep_count_if_skipped(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
+  """The kernels leave the moments as they are on a skipped step; the count is kept here."""
+  return new if skip is None else new._replace(count=jnp.where(skip, old.count, new.count))
 
 
 def _zeros(plan: _Plan) -> jax.Array:
@@ -364,12 +403,11 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
       g = g + momentum * trace if nesterov else trace
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
-  def kernel(plan, gs, state, ps, flat):
-    lr = _learning_rate(learning_rate, state.count)
+  def kernel(plan, gs, state, ps, flat, skip):
+    scalars = jnp.concatenate([jnp.reshape(_learning_rate(learning_rate, state.count), (1,)), skip])
     (trace,), us = cpu_kernels.update(
-        "sgd", jnp.reshape(lr, (1,)), (state.momentum,), gs, ps if decayed else None,
-        table=plan.table, flat=flat, momentum=np.float32(momentum), nesterov=bool(nesterov),
-        decayed=decayed)
+        "sgd", scalars, (state.momentum,), gs, ps if decayed else None, table=plan.table,
+        flat=flat, momentum=np.float32(momentum), nesterov=bool(nesterov), decayed=decayed)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   # Without momentum the update is one elementwise pass: XLA's fusion already is the floor.
@@ -419,10 +457,10 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
     u = u + momentum * t if nesterov else t
     return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
-  def kernel(plan, gs, state, ps, flat):
-    lr = _learning_rate(learning_rate, state.count)
+  def kernel(plan, gs, state, ps, flat, skip):
+    scalars = jnp.concatenate([jnp.reshape(_learning_rate(learning_rate, state.count), (1,)), skip])
     (trace,), us = cpu_kernels.update(
-        "lars", jnp.reshape(lr, (1,)), (state.momentum,), gs, ps, table=plan.table, flat=flat,
+        "lars", scalars, (state.momentum,), gs, ps, table=plan.table, flat=flat,
         momentum=np.float32(momentum), nesterov=bool(nesterov),
         trust_coefficient=np.float32(trust_coefficient), eps=np.float32(eps))
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
@@ -499,9 +537,10 @@ def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float =
       u = u + _decay(plan) * p
     return -scalars[0] * u, FusedAdamState(count_inc, mu, nu)
 
-  def kernel(plan, gs, state, ps, flat):
+  def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    scalars = jnp.concatenate([
+        _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2), skip])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
         flat=flat, **_adam_attrs(b1, b2, eps, eps_root), decayed=decayed)
@@ -549,9 +588,10 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
     u = direction(mu, nu, p)
     return u * (ratio * -scalars[0]), FusedAdamState(count_inc, mu, nu)
 
-  def kernel(plan, gs, state, ps, flat):
+  def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    scalars = jnp.concatenate([
+        _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2), skip])
     (mu, nu), us = cpu_kernels.update(
         "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat,
         **_adam_attrs(b1, b2, eps, eps_root))

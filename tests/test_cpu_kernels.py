@@ -58,20 +58,25 @@ def layout():
   return optim.flat_layout(tree(np.random.default_rng(0)))
 
 
-def run(case, layout, grads, params, face, steps=3):
-  """`steps` jitted updates of one face; returns (updates per step as flat arrays, final state)."""
+SKIPS = (False, True, False, False)  # the second step is skipped (a non-finite gradient)
+
+
+def run(case, layout, grads, params, face):
+  """Jitted updates of one face, `skip=` as in SKIPS; returns (updates per step as flat arrays,
+  states after each step)."""
   tx = make(case, layout if face == "flat" else None)
   if face == "pytree":
     grads = [layout.unravel(g) for g in grads]
     params = layout.unravel(params)
   state = tx.init(params)
   update = jax.jit(tx.update)
-  outs = []
-  for g in grads[:steps]:
-    u, state = update(g, state, params)
+  outs, states = [], []
+  for g, skip in zip(grads, SKIPS):
+    u, state = update(g, state, params, skip=jnp.asarray(skip))
     outs.append(np.asarray(u if face == "flat" else layout.ravel(u)))
+    states.append([np.asarray(x) for x in jax.tree.leaves(state)])
     params = optax.apply_updates(params, u)
-  return outs, state
+  return outs, states
 
 
 @pytest.mark.parametrize("face", ["flat", "pytree"])
@@ -79,15 +84,21 @@ def run(case, layout, grads, params, face, steps=3):
 def test_kernels_equal_the_xla_path(layout, case, face):
   rng = np.random.default_rng(zlib.crc32(case.encode()))
   params = layout.ravel(tree(rng))
-  grads = [layout.ravel(tree(rng, scale=s)) for s in (1.0, 0.3, 2.0)]
-  got, got_state = run(case, layout, grads, params, face)
+  grads = [layout.ravel(tree(rng, scale=s)) for s in (1.0, 0.3, 2.0, 0.7)]
+  grads[1] = grads[1].at[7].set(jnp.nan)  # the skipped step's gradient is not finite
+  got, got_states = run(case, layout, grads, params, face)
   with cpu_kernels.disabled():
-    want, want_state = run(case, layout, grads, params, face)
+    want, want_states = run(case, layout, grads, params, face)
   for step, (a, b) in enumerate(zip(got, want)):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=f"{case} step {step}")
     assert np.all(a[~layout.valid_mask] == 0.0), f"{case}: padding of the updates not zero"
-  for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+  for step, (xs, ys) in enumerate(zip(got_states, want_states)):
+    for a, b in zip(xs, ys):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=f"{case} state {step}")
+  # A skipped step: zero updates, the state (count included) exactly as before it.
+  assert np.all(got[1] == 0.0)
+  for a, b in zip(got_states[0], got_states[1]):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("face", ["flat", "pytree"])
@@ -112,6 +123,13 @@ def test_the_update_is_one_custom_call_on_cpu(layout, name, face):
     assert not re.search(rf"%\S*concatenate\S* = {re.escape(flat_type)}", text)
   with cpu_kernels.disabled():
     assert "sparsejax_fused" not in compiled().as_text()
+
+
+def test_skip_must_be_a_scalar(layout):
+  tx = optim.fused_sgd(0.1, momentum=0.9, layout=layout)
+  g = jnp.zeros(layout.padded_size, jnp.float32)
+  with pytest.raises(ValueError, match=r"skip must be a scalar .* shape \(2,\)"):
+    tx.update(g, tx.init(g), g, skip=jnp.zeros(2, bool))
 
 
 def test_lowered_for_a_gpu_the_update_is_xla(layout):

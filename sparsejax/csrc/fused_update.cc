@@ -14,12 +14,13 @@
 // The optimizer state is always flat (one buffer per moment, laid out by `starts`). `decay`
 // (float[S]) is each segment's weight decay (0 where masked and in padding); `flags` (int32[S]):
 // bit 0 set for a real parameter tensor, bit 1 where the trust ratio applies. Traced scalars
-// (learning rate, bias corrections) come in a small float32 buffer.
+// (learning rate, bias corrections, and last the skip flag) come in a small float32 buffer.
 //
 // Operands: scalars, then the state buffers, the gradient leaves, the param leaves (when the
 // update reads params). Results: the new state buffers (aliased to the old ones), then the
 // updates (aliased to the gradient). Work is spread over the XLA:CPU intra-op thread pool.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -276,6 +277,17 @@ ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
   return ffi::Error::Success();
 }
 
+// The last traced scalar is the skip flag. Nonzero (a step with a non-finite gradient): zero
+// updates and the state left as it is, which costs nothing since it is updated in place.
+bool SkipStep(ffi::Buffer<ffi::F32>& scalars, ffi::ThreadPool& pool,
+              const std::vector<Seg>& segs) {
+  if (scalars.typed_data()[scalars.element_count() - 1] == 0.0f) return false;
+  OnePass(pool, segs, [](const Seg& s, int64_t lo, int64_t hi) {
+    std::fill(s.u + lo, s.u + hi, 0.0f);
+  });
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------- SGD
 // v = g + decay * p; t = v + m * trace; u = -lr * (nesterov ? v + m * t : t). State: trace.
 template <bool kDecayed>
@@ -304,6 +316,7 @@ ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Rem
   if (auto e = Decode(args, rets, starts, decay, flags, 1, decayed, flat, &segs); e.failure()) {
     return e;
   }
+  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   const float lr = scalars.typed_data()[0];
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (decayed) {
@@ -325,6 +338,7 @@ ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
   if (auto e = Decode(args, rets, starts, decay, flags, 1, true, flat, &segs); e.failure()) {
     return e;
   }
+  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   const float lr = scalars.typed_data()[0];
   auto norms = [&](const Seg& s, int64_t lo, int64_t hi, double* pn2, double* un2) {
     const float* g = s.g;
@@ -413,6 +427,7 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
   if (auto e = Decode(args, rets, starts, decay, flags, 2, decayed, flat, &segs); e.failure()) {
     return e;
   }
+  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   const float* sc = scalars.typed_data();
   const float lr = sc[0];
   const Adam adam{b1, b2, eps, eps_root, sc[1], sc[2]};
@@ -438,6 +453,7 @@ ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
   if (auto e = Decode(args, rets, starts, decay, flags, 2, true, flat, &segs); e.failure()) {
     return e;
   }
+  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   const float* sc = scalars.typed_data();
   const float lr = sc[0];
   const Adam adam{b1, b2, eps, eps_root, sc[1], sc[2]};

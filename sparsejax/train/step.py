@@ -239,15 +239,19 @@ class Trainer:
                              grads, params, decay_mask(params))
       flat_grads = layout.ravel(grads, jnp.float32)
       mean_grads, comm_state = comm.update(flat_grads, comm_state)
-      updates, opt_state = optimizer.update(mean_grads, state.opt_state, state.params)
       skipped = comm_state.skipped
+      # A skipped step (non-finite gradient somewhere): the fused optimizer returns zero updates
+      # and its state as it was. Done inside the update, not by a select between old and new
+      # state afterwards: on CPU the update is a kernel that writes the state in place, so such
+      # a select would first copy the old state (100 MB for ResNet-50's momentum).
+      updates, opt_state = optimizer.update(mean_grads, state.opt_state, state.params,
+                                            skip=skipped)
 
       def keep(old, new):
         return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
       new_state = TrainState(
-          state.step + 1, jnp.where(skipped, state.params, state.params + updates),
-          keep(state.opt_state, opt_state), _stack(comm_state),
+          state.step + 1, state.params + updates, opt_state, _stack(comm_state),
           _stack(keep(batch_stats, new_stats)),
           jnp.where(skipped, state.consecutive_skips + 1, 0))
       metrics = {"loss": loss, **self._accuracy(logits, labels)}
