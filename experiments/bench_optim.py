@@ -4,7 +4,9 @@
                                     [--out experiments/results/bench_optim.json]
 
 For the ResNet-50 tree (161 leaves, 25,557,032 values) and the Transformer-base tree (257 leaves,
-60,524,544 values), and for SGD with momentum (+ weight decay), LARS, LAMB and AdamW, times one
+60,524,544 values) (or `--trees uniform_64k,...,uniform_2.4m`: ResNet-50's count of values in
+leaves of one size, to see how the time depends on tensor size; `param_trees.UNIFORM_LEAVES`),
+and for SGD with momentum (+ weight decay), LARS, LAMB and AdamW, times one
 `update(grads, state, params)` call of
 
   optax   the optax optimizer on the pytree;

@@ -67,4 +67,16 @@ def transformer_base(vocab: int = 32000, d: int = 512, ff: int = 2048, heads: in
   return {"embed": _s(vocab, d), "encoder": enc, "decoder": dec}
 
 
-TREES = {"resnet50": resnet50, "transformer_base": transformer_base}
+def uniform(leaf: int, total: int = 25_557_032) -> dict[str, Any]:
+  """`total` values (ResNet-50's count by default) as 1-D leaves of `leaf` values each (the last
+  one shorter): how an optimizer's time depends on tensor size, with the total fixed."""
+  sizes = [leaf] * (total // leaf) + ([total % leaf] if total % leaf else [])
+  return {f"w{i:04d}": _s(n) for i, n in enumerate(sizes)}
+
+
+# Leaf sizes of the uniform trees, in values: ~256 KB (fits a core's L2 with a second buffer of its
+# size), ~1 MB, ~4 MB and ~10 MB (ResNet-50's largest conv kernel, 3x3x512x512) of float32.
+UNIFORM_LEAVES = {"64k": 65_521, "256k": 262_139, "1m": 1_048_573, "2.4m": 2_359_297}
+
+TREES = {"resnet50": resnet50, "transformer_base": transformer_base,
+         **{f"uniform_{name}": (lambda n=n: uniform(n)) for name, n in UNIFORM_LEAVES.items()}}
