@@ -21,7 +21,8 @@ Variants (each with every seed): dense all-reduce; HiTopKComm and TopK all-gathe
 training); HiTopKComm 0.001 without error feedback; HiTopKComm 0.001 without the warm-up;
 HiTopKComm 0.001 with DGC momentum correction ("-mc": the SGD momentum accumulated per worker
 before selection and masked where sent; "-mc-nomask": not masked; both skipped for the AdamW
-task, where they do not apply).
+task, where they do not apply). Not in the default set, for runs of several epochs: "-wu1", the
+density warm-up over the first epoch instead of 0.2 epochs.
 
 Every run writes its own workdir (`--workdir/[epochs<E>/]<task>/<variant>/seed<k>`); a run whose
 summary is already there is read, not repeated, so an interrupted experiment continues where it
@@ -30,7 +31,9 @@ nothing and summarizes the finished runs. `--epochs E` trains E times as long (t
 warm-ups keep their length in epochs): the longer runs error feedback needs at density 0.001.
 Output: JSON with every curve, a markdown table (final and best metric: mean +- sample std over
 seeds, the difference to dense, bytes sent per worker: the step's own accounting, inside and
-between nodes, so HiTopKComm's dense intra-node phases count) and PNG plots of the test metric
+between nodes, so HiTopKComm's dense intra-node phases count; the mean density: the fraction of
+the buffer a selection sent, averaged over the steps, warm-up included, to which the inter-node
+bytes are proportional) and PNG plots of the test metric
 against steps and against bytes sent. `--quick` checks the code path in a few minutes (a few steps,
 one seed, three variants; written next to --out with a _quick suffix).
 """
@@ -72,7 +75,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hitopk-0.001-mc": {"algorithm": "hitopk", "density": 0.001, "momentum_correction": True},
     "hitopk-0.001-mc-nomask": {"algorithm": "hitopk", "density": 0.001,
                                "momentum_correction": True, "momentum_masking": False},
+    # the density warm-up over a whole epoch instead of 0.2 (for runs of several epochs)
+    "hitopk-0.001-wu1": {"algorithm": "hitopk", "density": 0.001, "warmup_epochs": 1.0},
+    "hitopk-0.001-mc-nomask-wu1": {"algorithm": "hitopk", "density": 0.001,
+                                   "momentum_correction": True, "momentum_masking": False,
+                                   "warmup_epochs": 1.0},
 }
+# run when --variants is not given: all but the long warm-ups (a 1-epoch run would never leave them)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith("-wu1"))
 QUICK_VARIANTS = ("dense", "hitopk-0.001", "allgather-0.01")
 
 
@@ -159,6 +169,17 @@ def _curve(workdir: str, metric: str) -> list[dict[str, float]]:
   return points
 
 
+def _mean_density(workdir: str) -> float:
+  """The density the run used, averaged over its steps (the warm-up included): the fraction of
+  the buffer each selection sent. Inter-node bytes are proportional to it."""
+  total, previous = 0.0, 0
+  for row in _read_csv(os.path.join(workdir, "train.csv")):
+    step = int(row["step"])
+    total += row["density"] * (step - previous)  # density: mean per step of the window
+    previous = step
+  return total / previous if previous else float("nan")
+
+
 def _finished(workdir: str) -> dict[str, Any] | None:
   """The summary of a run that finished in `workdir`, else None."""
   path = os.path.join(workdir, "summary.json")
@@ -193,7 +214,8 @@ def run_one(task: str, variant: str, seed: int, quick: bool, root: str, epochs: 
           f"in {time.time() - t0:.0f} s", flush=True)
   return {"task": task, "variant": variant, "seed": seed, "steps": summary["steps"],
           "final": summary["final_eval"][metric], "best": summary["best_eval"][metric],
-          "bytes_sent": summary["bytes_sent"], "wall_time_s": summary["wall_time_s"],
+          "bytes_sent": summary["bytes_sent"], "mean_density": _mean_density(workdir),
+          "wall_time_s": summary["wall_time_s"],
           "curve": _curve(workdir, metric)}
 
 
@@ -221,6 +243,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
       row = {"task": task, "variant": variant, "metric": metric, "seeds": len(group),
              "final": final, "final_std": final_std, "best": best, "best_std": best_std,
              "bytes_sent_mb": statistics.fmean(r["bytes_sent"] for r in group) / 1e6,
+             "mean_density": statistics.fmean(r["mean_density"] for r in group),
              "wall_time_s": statistics.fmean(r["wall_time_s"] for r in group)}
       if dense:
         d = statistics.fmean(dense)
@@ -232,15 +255,15 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
   lines = ["| task | variant | seeds | final (mean +- std) | best (mean +- std) | vs dense | "
-           "MB sent / worker (intra + inter node) | wall s / run |",
-           "|---|---|---|---|---|---|---|---|"]
+           "MB sent / worker (intra + inter node) | mean density | wall s / run |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     unit = "points" if r["metric"] == "accuracy" else "%"
     vs = f"{r['vs_dense']:+.2f} {unit}" if "vs_dense" in r else "-"
     lines.append(
         f"| {r['task']} | {r['variant']} | {r['seeds']} | {r['metric']} {r['final']:.4f} +- "
         f"{r['final_std']:.4f} | {r['best']:.4f} +- {r['best_std']:.4f} | {vs} | "
-        f"{r['bytes_sent_mb']:.1f} | {r['wall_time_s']:.0f} |")
+        f"{r['bytes_sent_mb']:.1f} | {r['mean_density']:.4f} | {r['wall_time_s']:.0f} |")
   return "\n".join(lines)
 
 
@@ -254,7 +277,7 @@ def plot(runs: list[dict[str, Any]], png: str) -> None:
     return
   tasks = [t for t in TASKS if any(r["task"] == t for r in runs)]
   fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
-  colors = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+  colors = {v: plt.get_cmap("tab20")(i % 20) for i, v in enumerate(VARIANTS)}
   for row, task in zip(axes, tasks, strict=True):
     metric = TASKS[task][1]
     for variant in VARIANTS:
@@ -297,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   tasks = [t for t in args.tasks.split(",") if t]
   variants = ([v for v in args.variants.split(",") if v] or
-              list(QUICK_VARIANTS if args.quick else VARIANTS))
+              list(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS))
   for name, allowed in ((tasks, TASKS), (variants, VARIANTS)):
     bad = [n for n in name if n not in allowed]
     if bad:

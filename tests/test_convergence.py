@@ -21,9 +21,16 @@ def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
   assert "kjv hitopk-0.001-mc: skipped" in capsys.readouterr().out
   assert convergence.applies("fashion_mnist", "hitopk-0.001-mc-nomask")
   assert convergence.applies("kjv_sgd", "hitopk-0.001-mc")
+  # the long warm-ups are for multi-epoch runs: not in the default set
+  assert "hitopk-0.001-wu1" in convergence.VARIANTS
+  assert not any(v.endswith("-wu1") for v in convergence.DEFAULT_VARIANTS)
   got = json.loads((tmp_path / "results" / "convergence_quick.json").read_text())
   rows = {r["variant"]: r for r in got["rows"]}
   assert set(rows) == {"dense", "hitopk-0.001-no-ef"} and rows["dense"]["vs_dense"] == 0.0
+  # dense sends everything; 13 steps of a 100-step warm-up from 0.25 (down to 0.12) stay on the
+  # density level above, 0.256 (levels 0.001 * 4**j)
+  assert rows["dense"]["mean_density"] == 1.0
+  assert rows["hitopk-0.001-no-ef"]["mean_density"] == pytest.approx(0.256)
   for run in got["runs"]:
     steps = [p["step"] for p in run["curve"]]
     sent = [p["bytes"] for p in run["curve"]]
