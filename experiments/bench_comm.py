@@ -3,6 +3,8 @@
   python experiments/bench_comm.py [--quick] [--rates 1gbit,200mbit] [--reps 5]
                                    [--sizes resnet50,transformer_base] [--no-torch]
                                    [--out experiments/results/bench_comm.json]     (needs root)
+  python experiments/bench_comm.py --local [--sizes ...] [--reps 5]
+                                   [--out experiments/results/bench_comm_local.json]
 
 The cluster: 2 nodes x 2 processes x 1 CPU device (`sparsejax.cluster.EmulatedCluster`: a network
 namespace per node, its link limited with tc tbf to each rate; processes of a node share its
@@ -18,6 +20,10 @@ loopback). For a gradient of ResNet-50 size (25,557,032 float32) and of Transfor
   torch-allreduce / torch-powersgd   PyTorch 2.13 (gloo) on the same cluster: the all-reduce DDP
                  issues for that many gradients, and DDP's PowerSGD hook (rank 4) on a model of
                  ResNet-50's parameter shapes (a backward pass whose gradients are all ones).
+
+`--local`: no cluster. The same JAX exchanges in one process on 4 CPU devices (the 2 x 2 mesh),
+their collectives copies in memory: what the exchanges cost this machine's 2 cores when 4 workers
+share them, without gloo or a link (the split the scaling model's check needs).
 
 Every call is timed after a barrier: median and quartiles over `--reps` calls after a warm-up.
 Bytes on the inter-node link: node 0's egress counted by tc during the timed calls. The bound is
@@ -44,7 +50,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from results_io import write_results  # noqa: E402
 
-SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544}
+SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
+         "tiny": 40_009}  # tiny: for the code path's test
 DENSITIES = (0.01, 0.001)
 NODES, PROCS = 2, 2
 
@@ -87,21 +94,35 @@ def _report(rank: int, row: dict, results: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------- JAX worker
 
-def jax_worker(args) -> None:
-  from sparsejax import cluster
-  cluster.initialize()
+def exchange_algorithms(n: int, per_node: int) -> dict:
+  """name -> the exchange of a length-`n` buffer per worker, to run inside `shard_map` over the
+  mesh `(node, local)` with `per_node` workers a node."""
+  from sparsejax import comm, topk
+  from sparsejax.train.mesh import WORKERS
+
+  algos = {"dense": lambda v: comm.dense_allreduce(v, axes=WORKERS),
+           "hierarchical": lambda v: comm.hierarchical_allreduce(v, node_axis="node",
+                                                                 local_axis="local")}
+  for d in DENSITIES:
+    k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / per_node))
+    algos[f"allgather-{d}"] = (lambda v, k=k_all: comm.topk_allgather(
+        v, k, axes=WORKERS, select=topk.mstopk)[0])
+    algos[f"hitopk-{d}"] = (lambda v, k=k_shard: comm.hitopk_allreduce(
+        v, k, node_axis="node", local_axis="local", select=topk.mstopk)[0])
+  return algos
+
+
+def run_jax(args, rank: int, measure_link: bool) -> list[dict]:
+  """Times every exchange on every size over this process's view of the 2-node mesh."""
   import jax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from sparsejax import comm, topk
   from sparsejax.train.mesh import WORKERS, make_mesh
 
   per_node = jax.device_count() // NODES  # workers per node (processes x devices per process)
   mesh = make_mesh(NODES, per_node)
   spec = NamedSharding(mesh, P(WORKERS))
-  rank, local_rank = jax.process_index(), int(os.environ["SPARSEJAX_LOCAL_RANK"])
-  measure_link = local_rank == 0  # one process per node reads its node's tc counter
   barrier = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, WORKERS), mesh=mesh,
                                   in_specs=P(WORKERS), out_specs=P()))
   token = jax.make_array_from_process_local_data(
@@ -112,25 +133,34 @@ def jax_worker(args) -> None:
     n -= n % per_node
     mine = np.random.default_rng(rank).standard_normal(jax.local_device_count() * n)
     x = jax.make_array_from_process_local_data(spec, mine.astype(np.float32))
-    algos = {"dense": lambda v: comm.dense_allreduce(v, axes=WORKERS),
-             "hierarchical": lambda v: comm.hierarchical_allreduce(v, node_axis="node",
-                                                                   local_axis="local")}
-    for d in DENSITIES:
-      k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / per_node))
-      algos[f"allgather-{d}"] = (lambda v, k=k_all: comm.topk_allgather(
-          v, k, axes=WORKERS, select=topk.mstopk)[0])
-      algos[f"hitopk-{d}"] = (lambda v, k=k_shard: comm.hitopk_allreduce(
-          v, k, node_axis="node", local_axis="local", select=topk.mstopk)[0])
-    for name, fn in algos.items():
+    for name, fn in exchange_algorithms(n, per_node).items():
       f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(WORKERS), out_specs=P(WORKERS),
                                 check_vma=False))
       jax.block_until_ready(f(x))  # compile + warm-up
       _report(rank, time_exchange(lambda f=f, x=x: jax.block_until_ready(f(x)),
                                   lambda: jax.block_until_ready(barrier(token)), args.reps,
                                   measure_link, size=size_name, n=n, algorithm=name), results)
+  return results
+
+
+def jax_worker(args) -> None:
+  from sparsejax import cluster
+  cluster.initialize()
+  import jax
+
+  rank, local_rank = jax.process_index(), int(os.environ["SPARSEJAX_LOCAL_RANK"])
+  results = run_jax(args, rank, measure_link=local_rank == 0)  # one process a node reads tc
   if rank == 0:
     with open(args.worker_out, "w") as f:
       json.dump(results, f)
+
+
+def local_worker(args) -> None:
+  """The same exchanges in this one process on NODES x PROCS CPU devices (XLA_FLAGS set by the
+  driver): the CPU work of an exchange with the same 4 workers on this machine's cores, without
+  gloo or a link (collectives are copies in memory)."""
+  with open(args.worker_out, "w") as f:
+    json.dump(run_jax(args, 0, measure_link=False), f)
 
 
 # ----------------------------------------------------------------------------- torch worker
@@ -240,13 +270,20 @@ def main(argv=None) -> int:
   ap.add_argument("--procs-per-node", type=int, default=PROCS, choices=(1, PROCS),
                   help="JAX processes per node: 2 (1 device each; intra-node traffic over "
                        "gloo on loopback) or 1 (2 devices; intra-node collectives in-process)")
-  ap.add_argument("--mode", choices=("driver", "jax", "torch"), default="driver",
+  ap.add_argument("--local", action="store_true",
+                  help="no cluster: the JAX exchanges in one process on 4 CPU devices (their CPU "
+                       "work without gloo or a link; no root needed); default --out "
+                       "experiments/results/bench_comm_local.json")
+  ap.add_argument("--mode", choices=("driver", "jax", "torch", "local"), default="driver",
                   help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_comm.json"))
+  ap.add_argument("--out")
   args = ap.parse_args(argv)
   if args.mode == "jax":
     jax_worker(args)
+    return 0
+  if args.mode == "local":
+    local_worker(args)
     return 0
   if args.mode == "torch":
     torch_worker(args)
@@ -258,6 +295,48 @@ def main(argv=None) -> int:
       ap.error(f"unknown size {s!r}; allowed: {sorted(SIZES)}")
   if args.reps < 1:
     ap.error(f"--reps must be >= 1, got {args.reps}")
+  args.out = args.out or os.path.join(
+      HERE, "results", "bench_comm_local.json" if args.local else "bench_comm.json")
+  if args.local:
+    rows = run_local(args)
+    layout = f"1 process, {NODES * PROCS} CPU devices"
+  else:
+    rows = run_emulated(args)
+    layout = None
+  table = make_table(rows)
+  print(table)
+  meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "nodes": NODES,
+          "jax_procs_per_node": None if args.local else args.procs_per_node, "reps": args.reps,
+          "layout": layout,
+          "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
+  write_results(args.out, {"meta": meta, "results": rows}, table)
+  plot(rows, os.path.splitext(args.out)[0] + ".png")
+  print(f"wrote {args.out}")
+  return 0
+
+
+def run_local(args) -> list[dict]:
+  """`--local`: the JAX exchanges in a child process with NODES x PROCS CPU devices."""
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+    path = f.name
+  try:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={NODES * PROCS}"}
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", "local", "--reps",
+                    str(args.reps), "--sizes", args.sizes, "--worker-out", path], env=env,
+                   check=True)
+    with open(path) as f:
+      rows = json.load(f)
+  finally:
+    os.remove(path)
+  for r in rows:
+    r.update(rate="in-process", rate_bps=None, layout=f"1x{NODES * PROCS} devices",
+             link_bound_s=0.0)
+  return rows
+
+
+def run_emulated(args) -> list[dict]:
+  """The JAX exchanges (and PyTorch's) on the emulated cluster, at every rate."""
   from sparsejax import cluster
   rates = [(r, cluster.parse_rate(r)) for r in args.rates.split(",")]
   log = sys.stdout
@@ -272,15 +351,7 @@ def main(argv=None) -> int:
           egress = r["node_egress_bytes"] or 0
           r["link_bound_s"] = egress * 8 / bps
           rows.append(r)
-  table = make_table(rows)
-  print(table)
-  meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "nodes": NODES,
-          "jax_procs_per_node": args.procs_per_node, "reps": args.reps,
-          "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
-  write_results(args.out, {"meta": meta, "results": rows}, table)
-  plot(rows, os.path.splitext(args.out)[0] + ".png")
-  print(f"wrote {args.out}")
-  return 0
+  return rows
 
 
 def make_table(rows: list[dict]) -> str:
@@ -290,9 +361,11 @@ def make_table(rows: list[dict]) -> str:
   for r in rows:
     base = dense.get((r["rate"], r["size"]))
     ratio = f"{base / r['median_s']:.1f}x" if base else "-"
+    egress, bound = "-", "-"  # no link in --local rows
+    if r["node_egress_bytes"] is not None:
+      egress, bound = f"{r['node_egress_bytes'] / 1e6:.2f}", f"{r['link_bound_s']:.3f}"
     lines.append(f"| {r['rate']} | {r['size']} | {r['algorithm']} | {r['median_s']:.3f} | "
-                 f"{r['q1_s']:.3f}-{r['q3_s']:.3f} | {(r['node_egress_bytes'] or 0) / 1e6:.2f} | "
-                 f"{r['link_bound_s']:.3f} | {ratio} |")
+                 f"{r['q1_s']:.3f}-{r['q3_s']:.3f} | {egress} | {bound} | {ratio} |")
   return "\n".join(lines)
 
 
