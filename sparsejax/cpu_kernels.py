@@ -158,18 +158,21 @@ def why_unavailable() -> str | None:
 
 def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Sequence[jax.Array],
            params: Sequence[jax.Array] | None, *, table: tuple[np.ndarray, ...], flat: bool,
+           skip: jax.Array | None = None,
            **attrs: Any) -> tuple[tuple[jax.Array, ...], list[jax.Array]]:
   """One fused update by the kernel `name` (sgd, lars, adamw, lamb) -> (new state, updates).
 
   Args:
-    scalars: float32[k], the traced scalars: the learning rate, the Adam bias corrections
-      (adamw, lamb), and last the skip flag (nonzero: zero updates, the state left as it is).
+    scalars: float32[k], the traced scalars: the learning rate, then the Adam bias corrections
+      (adamw, lamb).
     state: the flat float32 state buffers (momentum; or mu, nu), each of length padded_size.
     grads: float32 buffers: one flat buffer (`flat=True`) or one per leaf, in leaf order.
     params: like `grads`, or None when the update does not read params.
     table: (starts int64[S + 1], decay float32[S], flags int32[S]) of the layout
       (`sparsejax.optim` builds it; flags: 1 = a real leaf, 2 = the trust ratio applies).
     flat: whether grads/params are the flat layout or the leaves.
+    skip: a bool scalar, or None (False); where set, zero updates and the state left as it is.
+      It goes to the kernel as its last traced scalar.
     **attrs: the kernel's scalar attributes (numpy float32 / bool).
   The new state is written over the old and the updates over the gradient (aliased operands).
   """
@@ -179,6 +182,8 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
   out = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (*state, *grads)]
   aliases = {1 + i: i for i in range(k + n)}  # operand 0 is `scalars`
   starts, decay, flags = table
+  flag = jnp.zeros((1,), jnp.float32) if skip is None else jnp.reshape(skip, (1,))
+  scalars = jnp.concatenate([jnp.reshape(scalars, (-1,)), flag.astype(jnp.float32)])
   res = jax.ffi.ffi_call(f"sparsejax_fused_{name}", out, input_output_aliases=aliases,
                          vmap_method="sequential")(
       scalars, *state, *grads, *(params or ()), starts=starts, decay=decay, flags=flags,

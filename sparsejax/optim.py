@@ -242,9 +242,9 @@ def _decay(plan: _Plan) -> jax.Array:
 
 
 # A kernel call `(plan, grads, state, params, flat, skip) -> (updates, state)`: grads/params are
-# lists of float32 buffers, one flat buffer (flat=True) or one per leaf; skip is float32[1], the
-# last of the kernel's traced scalars (see sparsejax.cpu_kernels).
-KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool, jax.Array],
+# lists of float32 buffers, one flat buffer (flat=True) or one per leaf; skip a bool scalar or
+# None (see sparsejax.cpu_kernels.update).
+KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool, jax.Array | None],
                     tuple[list, NamedTuple]]
 
 
@@ -257,8 +257,18 @@ def _skip_flag(name: str, skip: Any) -> jax.Array | None:
   return jnp.asarray(skip).astype(bool)
 
 
-def _keep_if_skipped(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
-  return new if skip is None else jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
+def _skipped_xla(skip: jax.Array | None, u: jax.Array, old: NamedTuple,
+                 new: NamedTuple) -> tuple[jax.Array, NamedTuple]:
+  """The XLA path's skip: zero updates, the old state (a select XLA fuses into the update)."""
+  if skip is None:
+    return u, new
+  return jnp.where(skip, 0.0, u), jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
+
+
+def _skipped_kernel(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
+  """The kernels zero the updates and leave the moments as they are on a skipped step; the count
+  is kept here."""
+  return new if skip is None else new._replace(count=jnp.where(skip, old.count, new.count))
 
 
 def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
@@ -304,14 +314,11 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
 
       def on_xla():
         u, new_state = update_flat(plan, g, state, p)
-        if skip is not None:
-          u = jnp.where(skip, 0.0, u)
-        return u, _keep_if_skipped(skip, state, new_state)
+        return _skipped_xla(skip, u, state, new_state)
 
       def on_kernel():
-        us, new_state = kernel(plan, [g], state, None if p is None else [p], True,
-                               _skip_scalar(skip))
-        return us[0], _keep_count_if_skipped(skip, state, new_state)
+        us, new_state = kernel(plan, [g], state, None if p is None else [p], True, skip)
+        return us[0], _skipped_kernel(skip, state, new_state)
 
       u, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
       return u.astype(updates.dtype), state
@@ -329,34 +336,22 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
         g = lay.ravel(updates, jnp.float32)
         p = lay.ravel(params, jnp.float32) if needs_params else None
         u, new_state = update_flat(plan, g, state, p)
-        if skip is not None:
-          u = jnp.where(skip, 0.0, u)
-        return jax.tree.leaves(lay.unravel(u)), _keep_if_skipped(skip, state, new_state)
+        u, new_state = _skipped_xla(skip, u, state, new_state)
+        return jax.tree.leaves(lay.unravel(u)), new_state
 
       def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
         gs = [x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(updates)]
         ps = ([x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(params)]
               if needs_params else None)
-        us, new_state = kernel(plan, gs, state, ps, False, _skip_scalar(skip))
+        us, new_state = kernel(plan, gs, state, ps, False, skip)
         return ([u.astype(d) for u, d in zip(us, lay.dtypes)],
-                _keep_count_if_skipped(skip, state, new_state))
+                _skipped_kernel(skip, state, new_state))
 
       us, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
       out = jax.tree.unflatten(lay.treedef, us)
       return jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _skip_scalar(skip: jax.Array | None) -> jax.Array:
-  """float32[1], the kernels' skip flag (their last traced scalar)."""
-  return jnp.zeros((1,), jnp.float32) if skip is None else jnp.reshape(skip, (1,)).astype(
-      jnp.float32)
-
-
-def _keep_count_if_skipped(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
-  """The kernels leave the moments as they are on a skipped step; the count is kept here."""
-  return new if skip is None else new._replace(count=jnp.where(skip, old.count, new.count))
 
 
 def _zeros(plan: _Plan) -> jax.Array:
@@ -404,10 +399,10 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   def kernel(plan, gs, state, ps, flat, skip):
-    scalars = jnp.concatenate([jnp.reshape(_learning_rate(learning_rate, state.count), (1,)), skip])
     (trace,), us = cpu_kernels.update(
-        "sgd", scalars, (state.momentum,), gs, ps if decayed else None, table=plan.table,
-        flat=flat, momentum=np.float32(momentum), nesterov=bool(nesterov), decayed=decayed)
+        "sgd", _learning_rate(learning_rate, state.count), (state.momentum,), gs,
+        ps if decayed else None, table=plan.table, flat=flat, skip=skip,
+        momentum=np.float32(momentum), nesterov=bool(nesterov), decayed=decayed)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   # Without momentum the update is one elementwise pass: XLA's fusion already is the floor.
@@ -458,9 +453,9 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
     return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
   def kernel(plan, gs, state, ps, flat, skip):
-    scalars = jnp.concatenate([jnp.reshape(_learning_rate(learning_rate, state.count), (1,)), skip])
     (trace,), us = cpu_kernels.update(
-        "lars", scalars, (state.momentum,), gs, ps, table=plan.table, flat=flat,
+        "lars", _learning_rate(learning_rate, state.count), (state.momentum,), gs, ps,
+        table=plan.table, flat=flat, skip=skip,
         momentum=np.float32(momentum), nesterov=bool(nesterov),
         trust_coefficient=np.float32(trust_coefficient), eps=np.float32(eps))
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
@@ -539,11 +534,10 @@ def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float =
 
   def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = jnp.concatenate([
-        _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2), skip])
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
-        flat=flat, **_adam_attrs(b1, b2, eps, eps_root), decayed=decayed)
+        flat=flat, skip=skip, **_adam_attrs(b1, b2, eps, eps_root), decayed=decayed)
     return us, FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_adamw", _adam_init, update_flat, kernel, plan_for, layout,
@@ -590,10 +584,9 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
 
   def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = jnp.concatenate([
-        _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2), skip])
+    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
     (mu, nu), us = cpu_kernels.update(
-        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat,
+        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat, skip=skip,
         **_adam_attrs(b1, b2, eps, eps_root))
     return us, FusedAdamState(count_inc, mu, nu)
 
