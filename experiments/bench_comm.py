@@ -227,10 +227,10 @@ def torch_worker(args) -> None:
 # ----------------------------------------------------------------------------- driver
 
 def launch_workers(c, script: str, argv: list[str], *, mode: str, procs_per_node: int,
-                   devices_per_proc: int, log, what: str) -> list[dict]:
+                   devices_per_proc: int, log, what: str, torch: bool = False) -> list[dict]:
   """Runs `script --mode MODE ... --worker-out F` as NODES x `procs_per_node` processes on the
-  emulated cluster `c` (torch workers talk gloo over the node's link, eth0); returns the rows the
-  rank-0 worker wrote to F."""
+  emulated cluster `c` (torch workers, mode "torch" or `torch=True`, talk gloo over the node's
+  link, eth0); returns the rows the rank-0 worker wrote to F."""
   from sparsejax import cluster
   with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
     path = f.name
@@ -239,7 +239,8 @@ def launch_workers(c, script: str, argv: list[str], *, mode: str, procs_per_node
                         procs_per_node=procs_per_node, devices_per_proc=devices_per_proc,
                         cluster=c, program=[sys.executable, os.path.abspath(script)],
                         init_timeout_s=120, out=log,
-                        extra_env={"GLOO_SOCKET_IFNAME": "eth0"} if mode == "torch" else None)
+                        extra_env=({"GLOO_SOCKET_IFNAME": "eth0"} if torch or mode == "torch"
+                                   else None))
     if rc != 0:
       raise RuntimeError(f"{what} workers failed (exit {rc}); see the log above")
     with open(path) as f:

@@ -29,7 +29,8 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "EmulatedCluster", "launch"]
+__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "EmulatedCluster", "set_link_rate",
+           "link_sent_bytes", "launch"]
 
 # The launcher's environment for each process.
 ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
@@ -154,16 +155,62 @@ def _run(*cmd: str) -> None:
     raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip() or res.stdout.strip()}")
 
 
+def set_link_rate(prefix: str, nodes: int, rate_bps: int | None,
+                  burst_bytes: int = 16 * 1024) -> None:
+  """Sets the tc limit of both ends of each node's veth in the cluster named `prefix` (see
+  `EmulatedCluster`) to `rate_bps` (None: removes the limit). Root only."""
+  for i in range(nodes):
+    for ns, dev in ((f"{prefix}-n{i}", "eth0"), (f"{prefix}-br", f"p{i}")):  # both directions
+      if rate_bps is None:
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True,
+                       timeout=30)  # fails harmlessly when there is no limit
+      else:
+        _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+             f"{int(rate_bps)}bit", "burst", str(burst_bytes), "latency", "400ms")
+
+
+def link_sent_bytes(dev: str = "eth0") -> int:
+  """Bytes sent so far through `dev` of this process's network namespace (headers included)."""
+  out = subprocess.run(["ip", "-s", "-j", "link", "show", "dev", dev], capture_output=True,
+                       text=True, timeout=30)
+  if out.returncode != 0:
+    raise RuntimeError(f"ip link show {dev} failed: {out.stderr.strip()}")
+  import json
+  return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+def _reap(namespaces: Sequence[str]) -> None:
+  """Stops the processes inside `namespaces` and deletes the namespaces."""
+  for name in reversed(list(namespaces)):
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                          timeout=30).stdout.split()
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError, ValueError):
+        os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+
+
+# The watchdog's program: waits for EOF on stdin (the cluster's owner is gone), then removes every
+# namespace of the cluster's prefix.
+_REAPER = """import sys
+sys.stdin.buffer.read()
+from sparsejax import cluster
+prefix = sys.argv[1]
+cluster._reap(cluster.EmulatedCluster.leftovers(prefix))
+"""
+
+
 @dataclasses.dataclass
 class EmulatedCluster:
   """N node namespaces on a bridge, each node's link limited to `rate_bps` each way (tc tbf).
 
   Node i has address 10.<a>.<b>.(i+1)/24 on its veth; names start with a per-run prefix.
-  Use as a context manager: everything is removed on exit, whatever happened.
+  Use as a context manager: everything is removed on exit, whatever happened; if the process is
+  killed (SIGKILL), a watchdog process removes it within a second.
   """
 
   nodes: int
-  rate_bps: int
+  rate_bps: int | None  # None: unlimited (no qdisc)
   burst_bytes: int = 16 * 1024
   prefix: str = dataclasses.field(default_factory=lambda: f"sjx{uuid.uuid4().hex[:6]}")
 
@@ -173,6 +220,7 @@ class EmulatedCluster:
     h = int(self.prefix[-4:], 16)
     self.subnet = ipaddress.ip_network(f"10.{100 + h % 100}.{h // 100 % 250}.0/24")
     self.created: list[tuple[str, str]] = []  # ("netns", name) | ("link", name), in order
+    self._reaper: subprocess.Popen | None = None
 
   @property
   def bridge_ns(self) -> str:
@@ -191,6 +239,11 @@ class EmulatedCluster:
     if os.geteuid() != 0:
       raise PermissionError("emulating a cluster (--bandwidth) needs root: network namespaces, "
                             "veths and tc qdiscs; run as root or launch without --bandwidth")
+    # A watchdog in its own session: when this process ends in any way (SIGKILL included), its
+    # end of the pipe closes and the watchdog removes what is left of the cluster.
+    self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, self.prefix],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
     try:
       self._build()
     except BaseException:
@@ -202,7 +255,6 @@ class EmulatedCluster:
     self.remove()
 
   def _build(self) -> None:
-    rate, burst = str(self.rate_bps), str(self.burst_bytes)
     _run("ip", "netns", "add", self.bridge_ns)
     self.created.append(("netns", self.bridge_ns))
     _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
@@ -219,16 +271,23 @@ class EmulatedCluster:
       _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/{self.subnet.prefixlen}",
            "dev", "eth0")
       _run("ip", "-n", ns, "link", "set", "eth0", "up")
-      for where, dev in ((ns, "eth0"), (self.bridge_ns, f"p{i}")):  # both directions
-        _run("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", f"{rate}bit", "burst", burst, "latency", "400ms")
+    self.set_rate(self.rate_bps)
+
+  def set_rate(self, rate_bps: int | None) -> None:
+    """Limits every node's link to `rate_bps` each way from now on (None: unlimited); may be
+    called while processes run on the cluster (from any process, as root)."""
+    set_link_rate(self.prefix, self.nodes, rate_bps, self.burst_bytes)
+    self.rate_bps = rate_bps
 
   def remove(self) -> None:
-    """Deletes every namespace this cluster created (their veths and qdiscs go with them)."""
-    for kind, name in reversed(self.created):
-      if kind == "netns":
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+    """Deletes every namespace this cluster created (their veths and qdiscs go with them) and
+    stops the processes still running in them."""
+    _reap([name for kind, name in self.created if kind == "netns"])
     self.created.clear()
+    if self._reaper is not None:  # nothing left for it to do
+      self._reaper.stdin.close()
+      self._reaper.wait(30)
+      self._reaper = None
 
   @staticmethod
   def leftovers(prefix: str) -> list[str]:

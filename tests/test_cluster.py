@@ -104,6 +104,31 @@ def test_emulated_cluster_limits_links_and_leaves_nothing_behind():
   assert cluster.EmulatedCluster.leftovers(prefix) == []
 
 
+def test_rate_changes_in_place_and_a_killed_owner_leaves_nothing_behind():
+  _need_root()
+  program = ("import sys, time\nfrom sparsejax import cluster\n"
+             "with cluster.EmulatedCluster(2, 10**9) as c:\n"
+             "  c.set_rate(None)\n  print(c.prefix, flush=True)\n"
+             "  c.set_rate(300 * 10**6)\n  print('limited', flush=True)\n  time.sleep(600)\n")
+  owner = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+  prefix = owner.stdout.readline().strip()
+  assert prefix.startswith("sjx"), prefix
+  assert owner.stdout.readline().strip() == "limited"
+  for ns, dev in ((f"{prefix}-n1", "eth0"), (f"{prefix}-br", "p0")):
+    qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                           text=True).stdout
+    assert "tbf" in qdisc and "300Mbit" in qdisc, qdisc
+  # a process started inside a node's namespace goes with it
+  sleeper = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-n0", "sleep", "600"])
+  owner.kill()  # SIGKILL: no Python clean-up runs; the watchdog removes the cluster
+  owner.wait()
+  deadline = time.monotonic() + 20
+  while cluster.EmulatedCluster.leftovers(prefix) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert cluster.EmulatedCluster.leftovers(prefix) == []
+  assert sleeper.wait(20) != 0
+
+
 def test_launch_in_an_emulated_cluster_all_reduces_across_nodes():
   _need_root()
   out = io.StringIO()

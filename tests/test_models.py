@@ -112,3 +112,18 @@ def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_l
   sums = trainer.eval_step_fn(state)(state, *trainer.shard_batch(inputs, labels,
                                                                  np.ones(16, np.float32)))
   assert float(sums["count"]) == float(np.sum(labels != 0))
+
+
+def test_mlp_counts_and_matches_a_numpy_forward(rng):
+  n, _ = _count(models.build("mlp", num_classes=10), (1, 28, 28, 1))
+  assert n == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10 == 1_863_690
+  model = models.build("mlp", num_classes=7, hidden=(13, 11))
+  x = rng.standard_normal((5, 3, 4, 2)).astype(np.float32)
+  params = model.init(jax.random.key(1), x)["params"]
+  h = x.reshape(5, -1)
+  for name in ("hidden_0", "hidden_1"):
+    h = np.maximum(h @ np.asarray(params[name]["kernel"]) + np.asarray(params[name]["bias"]), 0)
+  want = h @ np.asarray(params["head"]["kernel"]) + np.asarray(params["head"]["bias"])
+  got = model.apply({"params": params}, x, train=True)
+  assert got.dtype == jnp.float32 and got.shape == (5, 7)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

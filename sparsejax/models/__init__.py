@@ -1,4 +1,4 @@
-"""Flax models: the ResNet family and the Transformer. No training logic here."""
+"""Flax models: the ResNet family, the Transformer and an MLP. No training logic here."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from sparsejax.models.mlp import MLP
 from sparsejax.models.resnet import (
   ResNet,
   ResNet18,
@@ -23,13 +24,14 @@ from sparsejax.models.transformer import (
   TransformerLM,
 )
 
-__all__ = ["ResNet", "ResNet18", "ResNet20", "ResNet34", "ResNet50", "ResNet101", "ResNet152",
-           "Transformer", "TransformerBase", "TransformerBig", "TransformerLM", "MODELS", "build"]
+__all__ = ["MLP", "ResNet", "ResNet18", "ResNet20", "ResNet34", "ResNet50", "ResNet101",
+           "ResNet152", "Transformer", "TransformerBase", "TransformerBig", "TransformerLM",
+           "MODELS", "build"]
 
 MODELS = {"resnet18": ResNet18, "resnet34": ResNet34, "resnet50": ResNet50,
           "resnet101": ResNet101, "resnet152": ResNet152, "resnet20": ResNet20,
           "transformer_base": TransformerBase, "transformer_big": TransformerBig,
-          "transformer_lm": TransformerLM}
+          "transformer_lm": TransformerLM, "mlp": MLP}
 SEQUENCE_MODELS = ("transformer_base", "transformer_big", "transformer_lm")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -25,8 +25,9 @@ def default_config() -> ml_collections.ConfigDict:
   # num_filters: width of the first ResNet stage (0 = the model's own); smoke tests shrink it.
   # d_model, num_heads, d_ff, num_layers: Transformer sizes (0 = the model's own); dropout: the
   # Transformer's rate (-1 = the model's own). A language model's max_len is data.seq_len.
+  # hidden: the MLP's layer widths (() = the model's own, (1024, 1024)).
   c.model = ml_collections.ConfigDict({
-      "name": "resnet20", "dtype": "float32", "num_filters": 0,
+      "name": "resnet20", "dtype": "float32", "num_filters": 0, "hidden": (),
       "d_model": 0, "num_heads": 0, "d_ff": 0, "num_layers": 0, "dropout": -1.0})
   # resize_schedule: progressive resizing, ((first_epoch, image_size), ...) sorted by epoch;
   # () keeps the dataset's own size.

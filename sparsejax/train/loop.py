@@ -22,7 +22,8 @@ from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import make_mesh
 from sparsejax.train.metrics import MetricsWriter, NullWriter
 
-__all__ = ["train_and_evaluate", "build_trainer", "check_workdir", "TooManySkippedSteps"]
+__all__ = ["train_and_evaluate", "build_trainer", "evaluate", "check_workdir",
+           "TooManySkippedSteps"]
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -52,6 +53,8 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
     # positions: a language model sees seq_len tokens, a translation model seq_len per side
     extra["max_len"] = (config.data.seq_len if m.name == "transformer_lm"
                         else max(256, config.data.seq_len))
+  elif m.name == "mlp":
+    extra = {"hidden": tuple(m.hidden)} if m.hidden else {}
   else:
     extra = {"num_filters": m.num_filters} if m.num_filters else {}
   model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
@@ -75,8 +78,9 @@ def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, tot
       seed=config.seed)
 
 
-def _evaluate(trainer: step_lib.Trainer, eval_step, state, data: data_lib.Inputs,
-              size: int | None) -> dict[str, float]:
+def evaluate(trainer: step_lib.Trainer, eval_step, state, data: data_lib.Inputs,
+             size: int | None) -> dict[str, float]:
+  """The eval metrics of `state` over the whole eval set (padding weighted out)."""
   totals: dict[str, float] = {}
   for images, labels, weights in data.eval_batches(size):
     sums = jax.device_get(eval_step(state, *trainer.shard_batch(images, labels, weights)))
@@ -132,12 +136,12 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
       config.data.resize_schedule, config.num_epochs)[1:]}
       if config.eval_at_stage_boundaries else set())
 
-  def evaluate(state, step):
+  def run_eval(state, step):
     nonlocal time_to_target
     state = sync(state)
     # the size of the stage that just trained (at a stage's end, not the next stage's)
     size = schedules.image_size(config.data.resize_schedule, max(0, step - 1) / steps_per_epoch)
-    metrics = _evaluate(trainer, eval_step, state, data, size)
+    metrics = evaluate(trainer, eval_step, state, data, size)
     writer.write("eval", step, metrics)
     evals.append((step, metrics))
     target = config.target_metric
@@ -182,7 +186,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
       bar.update(1)
       if done < total_steps and ((config.eval_every_steps and done % config.eval_every_steps == 0)
                                  or done in stage_ends):
-        state = evaluate(state, done)
+        state = run_eval(state, done)
       if (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
           and done < total_steps):
         state = save(state, done)
@@ -196,7 +200,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   finally:
     bar.close()
   if not interrupted:
-    state = evaluate(state, total_steps)
+    state = run_eval(state, total_steps)
     state = save(state, total_steps)
   writer.close()
   ckpt.close()

@@ -1,0 +1,710 @@
+"""Time to accuracy on an emulated, link-bound cloud cluster: sparsejax's exchanges and PyTorch DDP
+train the same model on the same data with the same recipe to the same target test accuracy.
+
+  python experiments/time_to_accuracy.py [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
+      [--systems dense,hierarchical,allgather-0.01,...] [--bandwidths unlimited,2gbit,...]
+      [--headline 1gbit] [--seeds 3] [--phases parity,runs] [--quick]
+      [--out experiments/results/time_to_accuracy.json]
+
+The task is a `sparsejax train` config (model, data.name, data.path, recipe, target_metric and
+target_value, eval_every_steps) with the same `--set` keys; each system only changes
+`compression.*`. The PyTorch peer builds the same MLP (layer widths `model.hidden`, the same
+initialisation), reads the same batches of the same data (sparsejax's inputs for each step), and
+uses the same learning-rate schedule, momentum, Nesterov flag and weight decay (kernels only).
+
+The cluster (link-bound by design): 2 nodes (`EmulatedCluster`, a network namespace each, tc tbf
+on both ends of each node's link), one process per node pinned to its own core (this machine has
+2: no more busy processes than cores), each sparsejax process with `mesh.local` CPU devices (the
+fast intra-node axis stays inside the process), each PyTorch process one thread with the node's
+share of the batch. Phases:
+
+  parity  compute only, one process on one core, no cluster: the sparsejax trainer's step on a
+          (1, local) mesh vs PyTorch's step, same model and per-process batch; alternated
+          process runs, the ratio per round.
+  runs    one process run per system and seed, in two parts:
+          train: the whole recipe on the cluster at `--headline` bandwidth, evaluating every
+          `eval_every_steps` with the clock stopped (state synchronised first): steps and train
+          time to the target, final accuracy, bytes that crossed node 0's link (its interface
+          counter);
+          sweep: then, in the same processes, the step time at every `--bandwidths` value (rank 0
+          changes the link's limit in place, both processes waiting at a barrier) and, for the
+          sparse exchanges, at every density level its warm-up passes through.
+
+Time to target at bandwidth b = sum over the density levels of (steps to target at that level) x
+(median step time at b and that level): the trajectory (steps to target) does not depend on the
+link, the step time does; the seeds give the separate process runs of each step time. Where
+--headline is among the swept bandwidths, the measured train time to target checks the sum.
+Writes JSON, a markdown table and a plot (time to target against bandwidth, one line per system,
+crossovers against sparsejax dense marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from bench_comm import launch_workers  # noqa: E402
+from results_io import write_results  # noqa: E402
+
+NODES = 2
+# system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
+# density warm-up and error feedback.
+SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dense": ("jax", {"compression.algorithm": "dense"}),
+    "hierarchical": ("jax", {"compression.algorithm": "hierarchical"}),
+    "allgather-0.01": ("jax", {"compression.algorithm": "allgather", "compression.density": 0.01}),
+    "allgather-0.001": ("jax", {"compression.algorithm": "allgather",
+                                "compression.density": 0.001}),
+    "hitopk-0.01": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01}),
+    "hitopk-0.001": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001}),
+    "torch-ddp": ("torch", {"powersgd": False}),
+    "torch-powersgd": ("torch", {"powersgd": True}),
+}
+DEFAULT_BANDWIDTHS = "unlimited,5gbit,2gbit,1gbit,500mbit,200mbit,100mbit"
+QUICK_SETS = ["model.hidden=(96,)", "batch_size=64", "num_epochs=0.04", "eval_every_steps=12",
+              "target_value=0.5", "optimizer.warmup_epochs=0.0", "compression.warmup_epochs=0.01"]
+
+
+# ----------------------------------------------------------------------------- shared set-up
+
+def load_task(config_path: str, sets: list[str], system: str | None = None,
+              seed: int | None = None):
+  """The validated config of the task (`--config` + `--set`), with `system`'s overrides."""
+  from sparsejax.train import config as config_lib
+  overrides = list(sets)
+  if system is not None and SYSTEMS[system][0] == "jax":
+    overrides += [f"{k}={v}" for k, v in SYSTEMS[system][1].items()]
+  elif system is not None:  # the PyTorch peer's all-reduce is dense
+    overrides.append("compression.algorithm=dense")
+  if seed is not None:
+    overrides.append(f"seed={seed}")
+  tree = config_lib.apply_overrides(config_lib.load_config(config_path), overrides)
+  return config_lib.validate(tree)
+
+
+def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
+  """The density level each step runs at (1.0 for the dense exchanges and for PyTorch)."""
+  from sparsejax import comm
+  from sparsejax.compress import density_levels
+  from sparsejax.train import schedules
+  c = config.compression
+  if c.algorithm not in comm.SPARSE_ALGORITHMS:
+    return np.ones(total)
+  schedule = schedules.density(c, steps_per_epoch)
+  if schedule is None:
+    return np.full(total, c.density)
+  levels = np.asarray(density_levels(c.density), np.float64)
+  wanted = np.asarray([float(schedule(s)) for s in range(total)])
+  index = np.minimum(np.sum(levels[None, :] < wanted[:, None] * (1 - 1e-6), axis=1),
+                     len(levels) - 1)
+  return levels[index]
+
+
+def pin_to_core(index: int) -> None:
+  """Keeps this process (and the threads it starts) on one core."""
+  cores = sorted(os.sched_getaffinity(0))
+  os.sched_setaffinity(0, {cores[index % len(cores)]})
+
+
+def _barrier_jax(name: str) -> None:
+  from jax.experimental import multihost_utils
+  multihost_utils.sync_global_devices(name)
+
+
+class JaxRun:
+  """One process's share of a sparsejax run: the trainer `sparsejax train` builds, compiled."""
+
+  def __init__(self, config, mesh_shape: tuple[int, int]):
+    import jax
+
+    from sparsejax import data as data_lib
+    from sparsejax.train.loop import build_trainer
+    from sparsejax.train.mesh import make_mesh
+    self.config = config
+    self.data = data_lib.open_inputs(config)
+    self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
+    mesh = make_mesh(*mesh_shape)
+    self.trainer = build_trainer(config, mesh, self.data.num_classes, self.data.steps_per_epoch,
+                                 self.total)
+    self.state = self.trainer.init(config.seed, self.data.example(None))
+    first = self.batch(0)
+    # compiled before the clock starts (PyTorch has nothing to compile)
+    self.step_fn = self.trainer.train_step_fn(self.state).lower(self.state, *first).compile()
+    self.eval_fn = self.trainer.eval_step_fn(self.state)
+    self.jax = jax
+
+  def batch(self, step: int):
+    return self.trainer.shard_batch(*self.data.train_batch(step, None))
+
+  def step(self, step: int, wait: bool = False):
+    self.state, metrics = self.step_fn(self.state, *self.batch(step))
+    if wait:
+      self.jax.block_until_ready(self.state)
+    return metrics
+
+  def wait(self) -> None:
+    self.jax.block_until_ready(self.state)
+
+  def evaluate(self) -> dict[str, float]:
+    from sparsejax.train.loop import evaluate
+    return evaluate(self.trainer, self.eval_fn, self.state, self.data, None)
+
+  def set_step(self, step: int) -> None:
+    """Moves the step counter (the density and learning-rate schedules follow it)."""
+    s = self.state.step
+    self.state = self.state._replace(step=self.jax.device_put(np.int32(step), s.sharding))
+
+
+class TorchRun:
+  """One process's share of the PyTorch DDP peer: the same MLP, batches, schedule and decay."""
+
+  def __init__(self, config, rank: int, world: int, powersgd: bool, distributed: bool = True):
+    import torch
+    import torch.distributed as dist
+
+    from sparsejax import data as data_lib
+    from sparsejax.train import schedules
+    if config.model.name != "mlp":
+      raise ValueError(f"the PyTorch peer builds model 'mlp' only, got {config.model.name!r}")
+    torch.set_num_threads(1)
+    torch.manual_seed(config.seed)
+    self.torch, self.rank, self.world = torch, rank, world
+    self.data = data_lib.open_inputs(config)
+    self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
+    hidden = tuple(config.model.hidden) or (1024, 1024)
+    in_dim = int(np.prod(self.data.example(None).shape[1:]))
+    model = torch_mlp(in_dim, hidden, self.data.num_classes)
+    if distributed:
+      model = torch.nn.parallel.DistributedDataParallel(model)
+      if powersgd:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        model.register_comm_hook(state, ps.powerSGD_hook)
+    self.model, self.dist = model, dist
+    o = config.optimizer
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    self.opt = torch.optim.SGD([{"params": decay, "weight_decay": o.weight_decay},
+                                {"params": rest, "weight_decay": 0.0}],
+                               lr=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov)
+    lr = schedules.learning_rate(o, self.data.steps_per_epoch, self.total)
+    self.lrs = [float(lr(s)) for s in range(self.total)]
+
+  def step(self, step: int, wait: bool = True) -> float:
+    torch = self.torch
+    images, labels = self.data.train_batch(step, None)
+    share = len(labels) // self.world
+    rows = slice(self.rank * share, (self.rank + 1) * share)
+    x = torch.from_numpy(np.ascontiguousarray(images[rows]).reshape(share, -1))
+    y = torch.from_numpy(labels[rows].astype(np.int64))
+    for group in self.opt.param_groups:
+      group["lr"] = self.lrs[min(step, self.total - 1)]
+    loss = torch.nn.functional.cross_entropy(self.model(x), y)
+    self.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    self.opt.step()
+    return loss.item()
+
+  def wait(self) -> None:
+    pass  # every PyTorch step is synchronous on the CPU
+
+  def evaluate(self) -> dict[str, float]:
+    torch = self.torch
+    correct = count = 0.0
+    with torch.no_grad():
+      for images, labels, weights in self.data.eval_batches(None):
+        logits = self.model(torch.from_numpy(np.ascontiguousarray(images).reshape(
+            len(images), -1)))
+        hit = (logits.argmax(-1).numpy() == labels).astype(np.float64)
+        correct += float(np.sum(hit * weights))
+        count += float(np.sum(weights))
+    return {"accuracy": correct / count}
+
+
+def torch_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int):
+  """`sparsejax.models.MLP` in PyTorch, with flax's initialisation (kernels: truncated normal,
+  variance 1/fan_in, i.e. lecun_normal; biases zero)."""
+  import torch
+  from torch import nn
+  layers: list[nn.Module] = []
+  widths = (in_dim, *hidden, num_classes)
+  for i in range(len(widths) - 1):
+    lin = nn.Linear(widths[i], widths[i + 1])
+    std = 1.0 / math.sqrt(widths[i]) / 0.87962566103423978  # truncated at 2 std, as flax
+    nn.init.trunc_normal_(lin.weight, std=std, a=-2 * std, b=2 * std)
+    nn.init.zeros_(lin.bias)
+    layers.append(lin)
+    if i < len(widths) - 2:
+      layers.append(nn.ReLU())
+  return torch.nn.Sequential(*layers)
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _worker_setup(args):
+  """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core."""
+  rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
+  pin_to_core(rank)
+  runtime, options = SYSTEMS[args.system]
+  config = load_task(args.config, json.loads(args.sets), args.system, args.seed)
+  if runtime == "jax":
+    from sparsejax import cluster
+    cluster.initialize()
+    run: Any = JaxRun(config, (config.mesh.nodes, config.mesh.local))
+  else:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['SPARSEJAX_COORDINATOR']}",
+                            rank=rank, world_size=NODES)
+    run = TorchRun(config, rank, NODES, options["powersgd"])
+  return config, run, rank, rank == 0
+
+
+def _barrier(run) -> None:
+  if isinstance(run, JaxRun):
+    _barrier_jax("tta")
+  else:
+    run.dist.barrier()
+
+
+def _link_bytes() -> int:
+  from sparsejax import cluster
+  return cluster.link_sent_bytes("eth0")
+
+
+def run_worker(args) -> None:
+  """One process run of one system: the train phase, then the sweep, in the same processes."""
+  config, run, rank, lead = _worker_setup(args)
+  row = {"system": args.system, "seed": args.seed, "total_steps": run.total,
+         "steps_per_epoch": run.data.steps_per_epoch, "curve": train_phase(config, run)}
+  row["sweep"] = sweep_phase(args, run, lead)
+  if lead:
+    with open(args.worker_out, "w") as f:
+      json.dump([row], f)
+
+
+def train_phase(config, run) -> list[dict]:
+  """The whole recipe, evaluating every `eval_every_steps` with the clock stopped."""
+  every = config.eval_every_steps or run.total
+  curve, train_s = [], 0.0
+  _barrier(run)
+  sent0 = _link_bytes()
+  seg = time.perf_counter()
+  for step in range(run.total):
+    run.step(step)
+    done = step + 1
+    if done % every == 0 or done == run.total:
+      run.wait()
+      train_s += time.perf_counter() - seg
+      sent = _link_bytes() - sent0
+      metrics = run.evaluate()
+      curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
+                    "accuracy": metrics["accuracy"]})
+      _barrier(run)
+      seg = time.perf_counter()
+  return curve
+
+
+def sweep_phase(args, run, lead: bool) -> list[dict]:
+  """Step times at every bandwidth (rank 0 changes the link between phases, the others wait at
+  a barrier) and at every density level; the link is set back to the headline rate after."""
+  from sparsejax import cluster
+  bandwidths = json.loads(args.bandwidths) + [["headline", json.loads(args.headline)]]
+  levels = json.loads(args.levels)  # [[density, a step that runs at it], ...]
+  rows = []
+  for name, bps in bandwidths:
+    _barrier(run)
+    if lead:
+      cluster.set_link_rate(args.cluster_prefix, NODES, bps)
+    _barrier(run)
+    if name == "headline":
+      break
+    for density, at_step in levels:
+      if isinstance(run, JaxRun):
+        run.set_step(at_step)
+      times, sent0 = [], _link_bytes()
+      for i in range(args.warmup + args.reps):
+        if i == args.warmup:
+          sent0 = _link_bytes()
+        t0 = time.perf_counter()
+        run.step(at_step + i)
+        run.wait()
+        if i >= args.warmup:
+          times.append(time.perf_counter() - t0)
+      rows.append({"system": args.system, "seed": args.seed, "bandwidth": name, "rate_bps": bps,
+                   "density": density, "step_s": statistics.median(times),
+                   "node0_link_bytes_per_step": (_link_bytes() - sent0) / args.reps})
+  return rows
+
+
+def parity_worker(args) -> None:
+  """Compute only: one process on one core, the node's share of the batch, no communication."""
+  pin_to_core(0)
+  sets = json.loads(args.sets)
+  base = load_task(args.config, sets)
+  per_process = [f"batch_size={base.batch_size // NODES}", "mesh.nodes=1",
+                 f"mesh.local={base.mesh.local}", "compression.algorithm=dense"]
+  config = load_task(args.config, sets + per_process)
+  if args.system == "jax":
+    import jax
+    jax.config.update("jax_num_cpu_devices", config.mesh.local)
+    run: Any = JaxRun(config, (1, config.mesh.local))
+  else:
+    run = TorchRun(config, 0, 1, False, distributed=False)
+  times = []
+  for i in range(args.warmup + args.reps):
+    t0 = time.perf_counter()
+    run.step(i)
+    run.wait()
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t0)
+  with open(args.worker_out, "w") as f:
+    json.dump({"runtime": args.system, "step_s": statistics.median(times),
+               "batch_per_process": config.batch_size,
+               "layout": (f"1 process, {config.mesh.local} CPU devices" if args.system == "jax"
+                          else "1 process, 1 thread")}, f)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict]:
+  argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
+          *extra]
+  runtime = SYSTEMS[system][0]
+  local = load_task(args.config, args.sets).mesh.local
+  return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
+                        devices_per_proc=local if runtime == "jax" else 1, log=log,
+                        what=f"{mode} {system}", torch=runtime == "torch")
+
+
+def run_parity(args, log) -> list[dict]:
+  """Alternated JAX / PyTorch compute-only process runs; a ratio per round."""
+  import tempfile
+  rounds = []
+  for r in range(args.parity_runs):
+    row = {"round": r}
+    for runtime in ("jax", "torch"):
+      with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
+               "--config", args.config, "--sets", json.dumps(args.sets), "--worker-out", f.name,
+               "--warmup", str(args.warmup), "--reps", str(args.reps)]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=1200)
+        with open(f.name) as g:
+          row[runtime] = json.load(g)
+    row["jax_over_torch"] = row["jax"]["step_s"] / row["torch"]["step_s"]
+    print(f"parity round {r}: jax {row['jax']['step_s'] * 1e3:.1f} ms, torch "
+          f"{row['torch']['step_s'] * 1e3:.1f} ms, ratio {row['jax_over_torch']:.2f}", flush=True)
+    rounds.append(row)
+  return rounds
+
+
+def level_steps(config, steps_per_epoch: int, total: int) -> list[list[float]]:
+  """[[density, first step at it], ...] for the levels a run passes through."""
+  dens = density_per_step(config, steps_per_epoch, total)
+  out = []
+  for s, d in enumerate(dens):
+    if not out or out[-1][0] != d:
+      out.append([float(d), s])
+  return out
+
+
+def parse_bandwidths(text: str) -> list[tuple[str, int | None]]:
+  from sparsejax import cluster
+  out = []
+  for name in text.split(","):
+    name = name.strip()
+    out.append((name, None if name == "unlimited" else cluster.parse_rate(name)))
+  return out
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def steps_to_target(curve: list[dict], target: float) -> dict | None:
+  """The first evaluation at or above `target` (None if never)."""
+  return next((p for p in curve if p["accuracy"] >= target), None)
+
+
+def analyse(results: dict, target: float) -> dict:
+  """Per system: steps/time to target at the headline (measured), final accuracy, and the time
+  to target at every swept bandwidth (per seed: steps per level x median step time)."""
+  out: dict[str, Any] = {}
+  sweep = results.get("sweep", [])
+  for system in results["systems"]:
+    runs = [r for r in results.get("train", []) if r["system"] == system]
+    if not runs:
+      continue
+    seeds = []
+    for r in runs:
+      hit = steps_to_target(r["curve"], target)
+      seeds.append({"seed": r["seed"], "final_accuracy": r["curve"][-1]["accuracy"],
+                    "steps_to_target": hit["step"] if hit else None,
+                    "train_time_to_target_s": hit["train_time_s"] if hit else None,
+                    "node0_link_bytes_to_target": hit["node0_link_bytes"] if hit else None,
+                    "levels_to_target": r.get("levels_to_target")})
+    entry = {"seeds": seeds, "final_accuracy": [s["final_accuracy"] for s in seeds]}
+    by_bw: dict[str, dict] = {}
+    for row in (x for x in sweep if x["system"] == system):
+      by_bw.setdefault(row["bandwidth"], {}).setdefault(row["density"], []).append(row["step_s"])
+    tta = {}
+    for bw, per_level in by_bw.items():
+      vals = []
+      for s in seeds:
+        if s["levels_to_target"] is None or s["steps_to_target"] is None:
+          vals.append(None)
+          continue
+        t = 0.0
+        for density, n in s["levels_to_target"]:
+          t += n * statistics.median(per_level[density])
+        vals.append(t)
+      tta[bw] = vals
+    entry["predicted_time_to_target_s"] = tta
+    headline = results["meta"]["headline"]
+    if headline in tta:
+      entry["measured_over_predicted_at_headline"] = [
+          s["train_time_to_target_s"] / p if p else None for s, p in zip(seeds, tta[headline])]
+    out[system] = entry
+  return out
+
+
+def _fmt_range(values: list[float | None], scale: float = 1.0, digits: int = 1) -> str:
+  vals = sorted(v * scale for v in values if v is not None)
+  if not vals:
+    return "not reached"
+  missing = len(values) - len(vals)
+  text = (f"{statistics.median(vals):.{digits}f}" if len(vals) == 1 else
+          f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}")
+  return text + (f" ({missing} not reached)" if missing else "")
+
+
+def make_tables(results: dict, analysis: dict, headline: str) -> str:
+  lines = []
+  if results.get("parity"):
+    ratios = [r["jax_over_torch"] for r in results["parity"]]
+    jax_ms = [r["jax"]["step_s"] * 1e3 for r in results["parity"]]
+    torch_ms = [r["torch"]["step_s"] * 1e3 for r in results["parity"]]
+    p = results["parity"][0]
+    lines += ["Compute-only step, one process on one core, no communication "
+              f"(batch {p['jax']['batch_per_process']} per process), min / median / max over "
+              f"{len(ratios)} alternated process runs:", "",
+              "| runtime | layout | ms per step | JAX / PyTorch |", "|---|---|---:|---:|",
+              f"| sparsejax (XLA:CPU) | {p['jax']['layout']} | {_fmt_range(jax_ms)} | "
+              f"{_fmt_range(ratios, digits=2)} |",
+              f"| PyTorch | {p['torch']['layout']} | {_fmt_range(torch_ms)} | - |", ""]
+  if analysis:
+    lines += [f"Training at {headline} (seeds: min / median / max; evaluation time "
+              "excluded; measured / predicted: the train time to target over the sum of the "
+              "swept step times):", "",
+              "| system | steps to target | train time to target s | measured / predicted | "
+              "node-0 link MB to target | final accuracy |", "|---|---:|---:|---:|---:|---:|"]
+    for system, e in analysis.items():
+      s = e["seeds"]
+      check = e.get("measured_over_predicted_at_headline", [None])
+      lines.append(f"| {system} | {_fmt_range([x['steps_to_target'] for x in s], digits=0)} | "
+                   f"{_fmt_range([x['train_time_to_target_s'] for x in s])} | "
+                   f"{_fmt_range(check, digits=2)} | "
+                   f"{_fmt_range([x['node0_link_bytes_to_target'] for x in s], 1e-6)} | "
+                   f"{_fmt_range(e['final_accuracy'], digits=4)} |")
+    bws = [b for b, _ in parse_bandwidths(results["meta"]["bandwidths"])]
+    have = [b for b in bws if any(b in e["predicted_time_to_target_s"] for e in analysis.values())]
+    if have:
+      ratio_row = results.get("exchange_over_compute", {})
+      lines += ["", "Time to target (s, seeds min / median / max) by link bandwidth; dense "
+                "exchange / compute ratio in the header:", "",
+                "| system | " + " | ".join(f"{b} ({ratio_row.get(b, float('nan')):.2g})"
+                                            for b in have) + " |",
+                "|---|" + "---:|" * len(have)]
+      for system, e in analysis.items():
+        cells = [_fmt_range(e["predicted_time_to_target_s"].get(b, [None])) for b in have]
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+  m = results["meta"]
+  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
+            f"date: {m['date']}."]
+  return "\n".join(lines)
+
+
+def exchange_over_compute(results: dict) -> dict[str, float]:
+  """A dense exchange's time over a step's compute time at each bandwidth: (dense step -
+  compute-only step) / compute-only step, from the sweep and the parity phase."""
+  if not results.get("parity"):
+    return {}
+  compute = statistics.median(r["jax"]["step_s"] for r in results["parity"])
+  out = {}
+  for row in results.get("sweep", []):
+    if row["system"] == "dense":
+      out.setdefault(row["bandwidth"], []).append(row["step_s"])
+  return {b: max(0.0, statistics.median(v) - compute) / compute for b, v in out.items()}
+
+
+def plot(results: dict, analysis: dict, png: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  bws = parse_bandwidths(results["meta"]["bandwidths"])
+  limited = [(b, bps) for b, bps in bws if bps is not None]
+  unlimited_x = max(bps for _, bps in limited) * 3 if limited else 1e10
+  xs = {b: (bps if bps is not None else unlimited_x) / 1e9 for b, bps in bws}
+  fig, ax = plt.subplots(figsize=(8, 5))
+  curves = {}
+  for system, e in analysis.items():
+    pts = sorted((xs[b], statistics.median([v for v in vals if v is not None]))
+                 for b, vals in e["predicted_time_to_target_s"].items()
+                 if any(v is not None for v in vals))
+    if pts:
+      curves[system] = pts
+      ax.plot(*zip(*pts), marker="o", label=system)
+  dense = dict(curves.get("dense", []))
+  for system, pts in curves.items():  # crossover: where the system stops beating dense
+    if system == "dense":
+      continue
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+      if x0 in dense and x1 in dense and (y0 - dense[x0]) * (y1 - dense[x1]) < 0:
+        ax.axvline(math.sqrt(x0 * x1), color="grey", ls=":", lw=0.8)
+        ax.annotate(f"{system} = dense", (math.sqrt(x0 * x1), ax.get_ylim()[1]), rotation=90,
+                    fontsize=7, va="top")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("inter-node link, Gbit/s (rightmost: unlimited)")
+  ax.set_ylabel(f"time to test accuracy {results['meta']['target']} (s, median of seeds)")
+  ax.set_title(f"Time to target on 2 emulated nodes: {results['meta']['task']}")
+  ax.legend(fontsize=8)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(png, dpi=120)
+  print(f"wrote {png}")
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tta_fmnist_mlp.py"))
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+  ap.add_argument("--systems", default=",".join(SYSTEMS))
+  ap.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS)
+  ap.add_argument("--headline", default="1gbit", help="the link's bandwidth while training")
+  ap.add_argument("--seeds", type=int, default=3, help="each seed is one process run per system")
+  ap.add_argument("--parity-runs", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--phases", default="parity,runs")
+  ap.add_argument("--quick", action="store_true",
+                  help="CI smoke run: tiny MLP, few steps, dense/hitopk-0.01/torch-ddp, 1 seed")
+  ap.add_argument("--out", default=os.path.join(HERE, "results", "time_to_accuracy.json"))
+  # worker-only arguments
+  ap.add_argument("--mode", choices=("driver", "run", "parity"), default="driver",
+                  help=argparse.SUPPRESS)
+  ap.add_argument("--system", help=argparse.SUPPRESS)
+  ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--sets", dest="sets_json", help=argparse.SUPPRESS)
+  ap.add_argument("--levels", help=argparse.SUPPRESS)
+  ap.add_argument("--cluster-prefix", help=argparse.SUPPRESS)
+  ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
+  if args.mode != "driver":
+    args.sets = args.sets_json
+    if args.mode == "run":
+      run_worker(args)
+    else:
+      parity_worker(args)
+    return 0
+  return drive(ap, args)
+
+
+def drive(ap, args) -> int:
+  if args.quick:
+    args.sets = QUICK_SETS + args.sets
+    args.systems, args.bandwidths, args.headline = "dense,hitopk-0.01,torch-ddp", \
+        "unlimited,200mbit", "200mbit"
+    args.seeds, args.parity_runs, args.reps, args.warmup = 1, 1, 3, 1
+  systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+  bad = [s for s in systems if s not in SYSTEMS]
+  if bad:
+    ap.error(f"unknown system(s) {bad}; allowed: {', '.join(SYSTEMS)}")
+  phases = [p.strip() for p in args.phases.split(",")]
+  if not set(phases) <= {"parity", "runs"}:
+    ap.error(f"--phases must be a subset of parity,runs, got {args.phases!r}")
+  for name in ("seeds", "parity_runs", "reps"):
+    if getattr(args, name) < 1:
+      ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  try:
+    bandwidths = parse_bandwidths(args.bandwidths)
+    headline = parse_bandwidths(args.headline)[0]
+    config = load_task(args.config, args.sets)
+  except ValueError as e:
+    ap.error(str(e))
+  if config.mesh.nodes != NODES:
+    ap.error(f"the study runs on {NODES} emulated nodes; the config says mesh.nodes = "
+             f"{config.mesh.nodes}")
+  if not config.target_metric or config.target_metric != "accuracy":
+    ap.error("the config must set target_metric = 'accuracy' and target_value")
+  from sparsejax import cluster
+  from sparsejax import data as data_lib
+  steps_per_epoch = data_lib.open_inputs(config).steps_per_epoch
+  total = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+  results: dict[str, Any] = {"systems": systems, "meta": {
+      "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
+      "config": args.config, "sets": args.sets, "bandwidths": args.bandwidths,
+      "headline": args.headline, "machine": platform.machine(), "cpus": os.cpu_count(),
+      "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
+      "batch_size": config.batch_size, "total_steps": total,
+      "command": " ".join(["python", "experiments/time_to_accuracy.py"] + args.argv)}}
+  log = sys.stdout
+  if "parity" in phases:
+    results["parity"] = run_parity(args, log)
+  if "runs" in phases:
+    results["train"], results["sweep"] = [], []
+    # its own prefix family, so tests of other clusters running beside it never see it
+    with cluster.EmulatedCluster(NODES, headline[1], prefix=f"tta{uuid.uuid4().hex[:6]}") as c:
+      for seed in range(args.seeds):
+        for system in systems:
+          cfg = load_task(args.config, args.sets, system, seed)
+          extra = ["--seed", str(seed), "--bandwidths", json.dumps(bandwidths), "--headline",
+                   json.dumps(headline[1]), "--levels",
+                   json.dumps(level_steps(cfg, steps_per_epoch, total)), "--cluster-prefix",
+                   c.prefix, "--warmup", str(args.warmup), "--reps", str(args.reps)]
+          row = _launch(c, "run", system, args, extra, log)[0]
+          results["sweep"] += row.pop("sweep")
+          dens = density_per_step(cfg, steps_per_epoch, total)
+          hit = steps_to_target(row["curve"], config.target_value)
+          if hit:
+            values, counts = np.unique(dens[:hit["step"]], return_counts=True)
+            row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]
+          results["train"].append(row)
+          print(json.dumps({"system": system, "seed": seed, "reached": hit}), flush=True)
+  results["exchange_over_compute"] = exchange_over_compute(results)
+  analysis = analyse(results, config.target_value)
+  results["analysis"] = analysis
+  table = make_tables(results, analysis, args.headline)
+  print(table)
+  write_results(args.out, results, table)
+  if analysis:
+    plot(results, analysis, os.path.splitext(args.out)[0] + ".png")
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,114 @@
+"""experiments/time_to_accuracy.py: the study's code paths (in CI: --quick, on the emulated
+cluster), its bookkeeping against hand-computed values, and the PyTorch peer's model against the
+flax MLP."""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+
+import time_to_accuracy as tta  # noqa: E402
+
+from sparsejax import cluster, models  # noqa: E402
+from sparsejax.compress import density_levels  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_mlp.py")
+
+
+def test_quick_run_trains_every_system_sweeps_and_tears_down(tmp_path):
+  if os.geteuid() != 0:
+    if os.environ.get("CI"):
+      pytest.fail("CI runs as root: the emulated-cluster study must run there")
+    pytest.skip("needs root (network namespaces)")
+  out = tmp_path / "tta.json"
+  assert tta.main(["--quick", "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert [r["system"] for r in got["train"]] == ["dense", "hitopk-0.01", "torch-ddp"]
+  assert cluster.EmulatedCluster.leftovers("tta") == []
+  for run in got["train"]:
+    steps = [p["step"] for p in run["curve"]]
+    assert steps == sorted(steps) and steps[-1] == run["total_steps"]
+    assert all(0.0 <= p["accuracy"] <= 1.0 for p in run["curve"])
+    assert run["curve"][-1]["accuracy"] > 0.3  # learned something from 10 classes
+    times = [p["train_time_s"] for p in run["curve"]]
+    assert all(0 < a < b for a, b in zip(times, times[1:]))
+    if "levels_to_target" in run:
+      hit = tta.steps_to_target(run["curve"], got["meta"]["target"])
+      assert sum(n for _, n in run["levels_to_target"]) == hit["step"]
+  # every system x bandwidth x density level it visits was timed, with bytes on the link
+  sweep = {(r["system"], r["bandwidth"], r["density"]) for r in got["sweep"]}
+  levels = [d for d in density_levels(0.01) if d >= 0.01]
+  for bw in ("unlimited", "200mbit"):
+    assert ("dense", bw, 1.0) in sweep and ("torch-ddp", bw, 1.0) in sweep
+    assert {d for s, b, d in sweep if s == "hitopk-0.01" and b == bw} <= set(levels)
+    assert ("hitopk-0.01", bw, 0.01) in sweep
+  dense_bytes = [r["node0_link_bytes_per_step"] for r in got["sweep"] if r["system"] == "dense"]
+  sparse_bytes = [r["node0_link_bytes_per_step"] for r in got["sweep"]
+                  if r["system"] == "hitopk-0.01" and r["density"] == 0.01]
+  assert min(dense_bytes) > 5 * max(sparse_bytes)  # the sparse exchange sends far less
+  assert got["parity"][0]["jax"]["step_s"] > 0 and got["parity"][0]["torch"]["step_s"] > 0
+  assert set(got["analysis"]) == {"dense", "hitopk-0.01", "torch-ddp"}
+  md = out.with_suffix(".md").read_text()
+  assert "| dense |" in md and "Command: `python experiments/time_to_accuracy.py --quick" in md
+
+
+def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
+  config = tta.load_task(CONFIG, ["compression.warmup_epochs=0.1"], "hitopk-0.001")
+  dens = tta.density_per_step(config, 200, 60)
+  levels = density_levels(0.001)
+  assert set(dens) <= set(levels)
+  assert dens[0] == min(d for d in levels if d >= 0.25 * (1 - 1e-6))  # rounded up, not down
+  assert np.all(np.diff(dens) <= 0) and dens[20] == 0.001 and dens[-1] == 0.001
+  dense = tta.load_task(CONFIG, [], "dense")
+  assert np.all(tta.density_per_step(dense, 200, 7) == 1.0)
+  assert tta.level_steps(config, 200, 60)[0] == [float(dens[0]), 0]
+
+
+def test_analysis_sums_steps_per_level_times_median_step_time():
+  results = {
+      "systems": ["hitopk-0.01"], "meta": {"headline": "1gbit"},
+      "train": [{"system": "hitopk-0.01", "seed": 0,
+                 "curve": [{"step": 10, "train_time_s": 1.0, "node0_link_bytes": 5,
+                            "accuracy": 0.5},
+                           {"step": 20, "train_time_s": 2.2, "node0_link_bytes": 9,
+                            "accuracy": 0.9}],
+                 "levels_to_target": [[0.04, 5], [0.01, 15]]}],
+      "sweep": [{"system": "hitopk-0.01", "bandwidth": "1gbit", "density": d, "step_s": t}
+                for d, t in ((0.04, 0.3), (0.04, 0.1), (0.04, 0.2), (0.01, 0.05), (0.01, 0.07),
+                             (0.01, 0.06))]}
+  a = tta.analyse(results, target=0.8)["hitopk-0.01"]
+  assert a["seeds"][0]["steps_to_target"] == 20
+  assert a["seeds"][0]["train_time_to_target_s"] == 2.2
+  assert a["predicted_time_to_target_s"]["1gbit"] == [pytest.approx(5 * 0.2 + 15 * 0.06)]
+  assert a["measured_over_predicted_at_headline"] == [pytest.approx(2.2 / 1.9)]
+  assert tta.analyse(results, target=0.95)["hitopk-0.01"]["seeds"][0]["steps_to_target"] is None
+
+
+def test_the_pytorch_peer_is_the_flax_mlp():
+  torch = pytest.importorskip("torch")
+  model = models.build("mlp", num_classes=10, hidden=(24, 17))
+  x = np.random.default_rng(0).standard_normal((6, 28, 28, 1)).astype(np.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  peer = tta.torch_mlp(784, (24, 17), 10)
+  linears = [m for m in peer if isinstance(m, torch.nn.Linear)]
+  assert sum(p.numel() for p in peer.parameters()) == sum(
+      v.size for v in jax.tree.leaves(params))
+  with torch.no_grad():
+    for lin, name in zip(linears, ("hidden_0", "hidden_1", "head")):
+      lin.weight.copy_(torch.from_numpy(np.asarray(params[name]["kernel"]).T.copy()))
+      lin.bias.copy_(torch.from_numpy(np.asarray(params[name]["bias"])))
+    got = peer(torch.from_numpy(x.reshape(6, -1))).numpy()
+  np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, x)), rtol=1e-4,
+                             atol=1e-5)
+  # the same initialisation: zero biases, kernel std 1/sqrt(fan_in) in both
+  big = tta.torch_mlp(1000, (500,), 10)[0]
+  assert float(big.bias.detach().abs().max()) == 0.0
+  assert abs(float(big.weight.detach().std()) * np.sqrt(1000) - 1.0) < 0.02
+  flax_kernel = models.build("mlp", num_classes=10, hidden=(500,)).init(
+      jax.random.key(1), np.zeros((1, 1000), np.float32))["params"]["hidden_0"]["kernel"]
+  assert abs(float(np.std(np.asarray(flax_kernel))) * np.sqrt(1000) - 1.0) < 0.02
