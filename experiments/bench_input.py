@@ -194,6 +194,8 @@ def open_probe(dirs: dict[str, str], repeats: int) -> dict[str, dict[str, float]
   the median of `repeats` more, an unpickled copy (what each grain worker does), and a walk with
   a stat of every file (what opening cost before the ledger)."""
   out: dict[str, dict[str, float]] = {name: {} for name in dirs}
+  with tempfile.TemporaryDirectory() as empty:  # the process's one-time costs, before timing
+    TieredCache(TinyRecords(1), memory_bytes=1, disk_dir=empty, disk_bytes=1 << 40).close()
   for name, d in dirs.items():
     src = TinyRecords(int(name))
     def open_cache(d=d, src=src):
