@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from sparsejax.data import small
+from sparsejax.data.batching import process_share
 from sparsejax.data.cache import TieredCache
 
 __all__ = ["Inputs", "InMemoryInputs", "ImageNetInputs", "open_inputs"]
@@ -34,17 +35,6 @@ class Inputs(Protocol):
   def stats(self) -> dict[str, float]: ...
 
 
-def _process_share(batch_size: int) -> tuple[int, int]:
-  """(start, stop) of this process's rows of a global batch: processes own contiguous blocks of
-  the mesh's devices, in order."""
-  import jax
-  count, index = jax.process_count(), jax.process_index()
-  if batch_size % count:
-    raise ValueError(f"global batch_size {batch_size} is not divisible by the {count} processes")
-  per = batch_size // count
-  return index * per, (index + 1) * per
-
-
 class InMemoryInputs:
   """A small dataset held in memory (digits, Fashion-MNIST, any IDX directory). Every process
   holds all of it and builds the same global batches; each returns its own rows."""
@@ -55,7 +45,7 @@ class InMemoryInputs:
     self.batcher = small.EpochBatcher(train, batch_size, seed)
     self.num_classes = train.num_classes
     self.steps_per_epoch = self.batcher.steps_per_epoch
-    self.rows = slice(*_process_share(batch_size))
+    self.rows = slice(*process_share(batch_size))
 
   def example(self, size):
     """A batch of one input, as the model sees it (for initialisation)."""

@@ -28,6 +28,7 @@ import grain
 import numpy as np
 
 from sparsejax.data import images as image_ops
+from sparsejax.data.batching import pad_batch
 from sparsejax.data.loader import prefetch
 from sparsejax.data.shared import SharedSlots
 
@@ -182,17 +183,9 @@ class ImagePipeline:
     the last batch is padded (repeating the last example) with weight 0."""
     if self.train:
       raise ValueError("eval_batches is for eval pipelines (train=False)")
-    n = len(self.order(0))
-    for b, (images, labels) in enumerate(prefetch(self.epoch_dataset(0, size),
-                                                  workers=self.workers, threads=self.threads,
-                                                  buffer=self.buffer)):
-      count = len(labels)
-      weights = (np.arange(b * self.batch_size, b * self.batch_size + self.batch_size) < n)
-      if count < self.batch_size:
-        pad = self.batch_size - count
-        images = np.concatenate([images, np.repeat(images[-1:], pad, 0)])
-        labels = np.concatenate([labels, np.repeat(labels[-1:], pad, 0)])
-      yield images, labels, weights.astype(np.float32)
+    for images, labels in prefetch(self.epoch_dataset(0, size), workers=self.workers,
+                                   threads=self.threads, buffer=self.buffer):
+      yield pad_batch(self.batch_size, images, labels)
 
   def stats(self) -> dict[str, int]:
     """{"examples": made so far, "corrupt": records skipped because they did not decode} over
