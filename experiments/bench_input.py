@@ -44,8 +44,11 @@ from typing import Any
 
 import grain
 import numpy as np
-from results_io import write_results
 
+if not __package__:  # run as `python experiments/bench_input.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax.data import RemoteSource, TieredCache
 from sparsejax.data import images as image_ops
 from sparsejax.data.imagenet import synthetic_jpeg
@@ -253,10 +256,15 @@ def open_results(args, runs: list[dict], fill_rate: dict[str, float]) -> tuple[d
   small, large = (str(n) for n in (min(args.records), max(args.records)))
   ratio = {k: [r[large][k] / r[small][k] for r in runs]
            for k in ("first_open_s", "open_s", "unpickle_s", "walk_s")}
-  lines = [f"Opening a TieredCache over a disk directory of {int(small):,} or {int(large):,} "
+  meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "records": args.records,
+          "runs": args.runs, "repeats": args.repeats, "command": command_line(),
+          "date": time.strftime("%Y-%m-%d", time.gmtime())}
+  lines = [f"`{meta['command']}` ({meta['machine']}, {meta['cpus']} CPU cores, {meta['date']})",
+           "",
+           f"Opening a TieredCache over a disk directory of {int(small):,} or {int(large):,} "
            f"records (100-byte records, 256 sub-directories a source), each run a fresh process "
            f"(min / median / max of {args.runs} runs; open and unpickle: median of "
-           f"{args.repeats} in the run); {os.cpu_count()} CPU cores", "",
+           f"{args.repeats} in the run)", "",
            f"| per open | {int(small):,} records | {int(large):,} records | ratio |",
            "|---|---:|---:|---:|"]
   names = {"first_open_s": "first open in the process", "open_s": "open again",
@@ -267,8 +275,6 @@ def open_results(args, runs: list[dict], fill_rate: dict[str, float]) -> tuple[d
              for n in (small, large)]
     lines.append(f"| {label} (ms) | {cells[0]} | {cells[1]} | "
                  f"{' / '.join(f'{x:.2f}x' for x in mmm(ratio[key]))} |")
-  meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "records": args.records,
-          "runs": args.runs, "repeats": args.repeats, "command": command_line()}
   return {"meta": meta, "runs": runs, "ratio_large_over_small": ratio,
           "fill_records_per_s": fill_rate}, "\n".join(lines)
 
