@@ -31,8 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from results_io import write_results
 
+if not __package__:  # run as `python experiments/bench_step.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax import models
 from sparsejax.train import config as config_lib
 from sparsejax.train import loop, make_mesh

@@ -26,8 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from results_io import write_results
 
+if not __package__:  # run as `python experiments/bench_topk.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax import topk
 
 SIZES = (1_000_000, 25_557_032, 110_000_000)

@@ -54,12 +54,12 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+if not __package__:  # run as `python experiments/convergence.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from results_io import write_results  # noqa: E402
 
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax.train.config import default_config  # noqa: E402
 
 # name -> compression overrides; the others keep the task's base (hitopk at 0.01, EF, warm-up)

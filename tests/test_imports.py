@@ -1,9 +1,12 @@
-"""The package's import graph has no cycles, function-local imports included (read with ast)."""
+"""Imports: no cycles in the package (function-local imports included, read with ast), lazy
+subpackages, experiments importable as a package and runnable as scripts."""
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -130,3 +133,40 @@ def test_the_cycle_finder_sees_local_and_relative_imports(tmp_path, files, expec
     (tmp_path / "p" / name).write_text(text)
   cycles = find_cycles(import_graph(str(tmp_path), "p"))
   assert cycles == ([] if expected is None else [expected])
+
+
+def _run(code_or_args: list[str], cwd: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  return subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_sparsejax_data_is_reachable_after_import_sparsejax_and_loads_lazily(tmp_path):
+  code = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+import sparsejax
+assert sparsejax.__file__.startswith({ROOT!r}), sparsejax.__file__
+heavy = ("grain", "tensorflow_datasets", "sparsejax.data")
+assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+assert "data" in dir(sparsejax)
+cache = sparsejax.data.TieredCache(list(range(5)), memory_bytes=100, key="five")
+assert cache[3] == 3 and "sparsejax.data" in sys.modules
+assert not [m for m in ("grain", "tensorflow_datasets") if m in sys.modules]
+assert sparsejax.models.__name__ == "sparsejax.models"
+try:
+  sparsejax.no_such_thing
+except AttributeError as e:
+  assert "no attribute 'no_such_thing'" in str(e)
+else:
+  raise AssertionError("no AttributeError")
+print("ok")
+"""
+  res = _run(["-c", code], str(tmp_path))
+  assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_an_experiment_runs_as_a_script_from_anywhere(tmp_path):
+  """`python experiments/x.py` still works (tests import the same file as `experiments.x`)."""
+  res = _run([os.path.join(ROOT, "experiments", "scaling_model.py"), "--help"], str(tmp_path))
+  assert res.returncode == 0 and "usage: scaling_model.py" in res.stdout, res.stderr
