@@ -99,11 +99,11 @@ class ImageNetInputs:
 
     common = dict(process_index=jax.process_index(), process_count=count,
                   workers=data_cfg.workers, threads=data_cfg.threads)
-    self.train = pipeline.ImagePipeline(raw, batch_size=per_process, seed=seed, train=True,
-                                        decoded_cache=decoded,
-                                        decoded_max_size=data_cfg.decoded_max_size, **common)
-    self.eval = pipeline.ImagePipeline(imagenet.source(path, data_cfg.eval_split),
-                                       batch_size=per_process, train=False, **common)
+    self.train = pipeline.TrainImagePipeline(raw, batch_size=per_process, seed=seed,
+                                             decoded_cache=decoded,
+                                             decoded_max_size=data_cfg.decoded_max_size, **common)
+    self.eval = pipeline.EvalImagePipeline(imagenet.source(path, data_cfg.eval_split),
+                                           batch_size=per_process, **common)
     self.num_classes = imagenet.NUM_CLASSES
     self.steps_per_epoch = self.train.steps_per_epoch
 
