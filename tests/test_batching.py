@@ -40,3 +40,26 @@ def test_padded_batches_match_the_reference(n, batch_size):
 def test_pad_batch_refuses_what_it_cannot_pad(rows, batch_size, match):
   with pytest.raises(ValueError, match=match):
     batching.pad_batch(batch_size, *(np.zeros(r) for r in rows))
+
+
+def test_every_kind_of_input_fits_the_one_protocol():
+  """Images, token sequences and sentence pairs: (inputs, targets) batches, padded eval batches."""
+  from sparsejax.data import Inputs
+  from sparsejax.data.inputs import InMemoryInputs
+  from sparsejax.data.text import TextInputs
+  from sparsejax.data.translation import TranslationInputs
+
+  rng = np.random.default_rng(0)
+  images = batching.ArrayDataset(rng.standard_normal((13, 4, 4, 1)).astype(np.float32),
+                                 rng.integers(0, 3, 13).astype(np.int32), 3)
+  tokens = rng.integers(0, 20, (13, 6)).astype(np.int32)
+  kinds = [InMemoryInputs(images, images, 4, 0), TextInputs(tokens, tokens[:5], 20, 4, 0),
+           TranslationInputs((tokens, tokens[:, :6]), (tokens[:5], tokens[:5]), 20, 4, 0)]
+  for data in kinds:
+    assert isinstance(data, Inputs) and data.steps_per_epoch == 3
+    inputs, targets = data.train_batch(4, None)
+    leaves = [*(inputs if isinstance(inputs, tuple) else (inputs,)), targets]
+    assert [x.shape[0] for x in leaves] == [4] * len(leaves) and targets.dtype == np.int32
+    weights = [w for _, _, w in data.eval_batches(None)]
+    assert sum(w.sum() for w in weights) == (13 if data is kinds[0] else 5)
+  assert not isinstance(object(), Inputs)

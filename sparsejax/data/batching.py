@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "EpochBatcher", "eval_batches", "pad_batch", "padded_batches",
-           "process_share"]
+__all__ = ["ArrayDataset", "EpochBatcher", "EpochOrder", "eval_batches", "pad_batch",
+           "padded_batches", "process_share"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,19 +30,34 @@ class ArrayDataset:
     return len(self.labels)
 
 
+class EpochOrder:
+  """Which of `n` rows make global batch `step`: each epoch a fresh seeded permutation, cut into
+  batches of `global_batch` (the remainder dropped), each batch's rows in ascending order. For
+  rows of any kind: images, token sequences, sentence pairs."""
+
+  def __init__(self, n: int, global_batch: int, seed: int):
+    if global_batch > n:
+      raise ValueError(f"global batch {global_batch} is larger than the dataset ({n})")
+    self.n, self.global_batch, self.seed = n, global_batch, seed
+    self.steps_per_epoch = n // global_batch
+
+  def rows(self, step: int) -> np.ndarray:
+    """int64[global_batch]: the rows of batch `step` (counting over all epochs)."""
+    epoch, i = divmod(step, self.steps_per_epoch)
+    perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+    return np.sort(perm[i * self.global_batch:(i + 1) * self.global_batch])
+
+
 class EpochBatcher:
-  """Global training batches: each epoch a fresh permutation (seeded), remainder dropped."""
+  """Global training batches of an `ArrayDataset`, in the rows of an `EpochOrder`."""
 
   def __init__(self, data: ArrayDataset, global_batch: int, seed: int):
-    if global_batch > len(data):
-      raise ValueError(f"global batch {global_batch} is larger than the dataset ({len(data)})")
     self.data, self.global_batch, self.seed = data, global_batch, seed
-    self.steps_per_epoch = len(data) // global_batch
+    self.order = EpochOrder(len(data), global_batch, seed)
+    self.steps_per_epoch = self.order.steps_per_epoch
 
   def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-    epoch, i = divmod(step, self.steps_per_epoch)
-    perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
-    idx = np.sort(perm[i * self.global_batch:(i + 1) * self.global_batch])
+    idx = self.order.rows(step)
     return self.data.images[idx], self.data.labels[idx]
 
 

@@ -1,19 +1,20 @@
-"""What the train loop reads: one interface over the in-memory sets and the ImageNet pipeline.
+"""What the train loop reads: one protocol over every kind of input (images, token sequences,
+sentence pairs), and `open_inputs(config)`, which builds the one `config.data` names.
 
   data = open_inputs(config)              # config.data names the set; batch sizes from config
   data.train_batch(step, size)            # this process's share of global batch `step`
-  data.eval_batches(size)                 # (images, labels, weights), padded, this process's
+  data.eval_batches(size)                 # (inputs, targets, weights), padded, this process's
   data.stats()                            # input counters to log (cache tiers, corrupt records)
 
-Batches are a function of the step (see `EpochBatcher`, `ImagePipeline`): the checkpointed step
-is the iterator position.
+Batches are a function of the step (see `batching.EpochOrder`, `pipeline.TrainImagePipeline`):
+the checkpointed step is the iterator position.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,16 +24,41 @@ from sparsejax.data.cache import TieredCache
 
 __all__ = ["Inputs", "InMemoryInputs", "ImageNetInputs", "open_inputs"]
 
+# What a model takes: one array (images, tokens) or a tuple of arrays (source and target tokens),
+# batch on axis 0.
+ModelInputs = Any
 
+
+@runtime_checkable
 class Inputs(Protocol):
+  """A dataset as the train loop reads it. A batch is (inputs, targets): `inputs` what the model
+  takes (`ModelInputs`), `targets` int32[batch, ...] (class labels, or the next tokens). `size`
+  is the image side of the current resolution stage; inputs that are not images ignore it.
+
+  num_classes: classes, or the vocabulary size for token inputs.
+  steps_per_epoch: global batches per epoch.
+  """
+
   num_classes: int
   steps_per_epoch: int
 
-  def example(self, size: int | None) -> np.ndarray: ...
-  def train_batch(self, step: int, size: int | None) -> tuple[np.ndarray, np.ndarray]: ...
+  def example(self, size: int | None) -> ModelInputs:
+    """Inputs of a batch of one, as the model sees them (for initialisation)."""
+    ...
+
+  def train_batch(self, step: int, size: int | None) -> tuple[ModelInputs, np.ndarray]:
+    """This process's rows of global batch `step` (counting over all epochs)."""
+    ...
+
   def eval_batches(self, size: int | None
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
-  def stats(self) -> dict[str, float]: ...
+                   ) -> Iterator[tuple[ModelInputs, np.ndarray, np.ndarray]]:
+    """This process's rows of the held-out set in order: (inputs, targets, float32 weights), the
+    last batch padded with weight 0."""
+    ...
+
+  def stats(self) -> dict[str, float]:
+    """Input counters to log (may be empty)."""
+    ...
 
 
 class InMemoryInputs:

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from sparsejax.data.batching import ArrayDataset, EpochBatcher, padded_batches, process_share
+from sparsejax.data.batching import EpochOrder, padded_batches, process_share
 
 __all__ = ["kjv_documents", "text_documents", "split_documents", "bpe_tokenizer", "Tokenizer",
            "pack", "TextInputs", "PAD", "UNK", "BOS", "EOS"]
@@ -174,18 +174,16 @@ class TextInputs:
       raise ValueError(f"global batch {batch_size} is larger than the {len(train)} training "
                        "sequences; lower batch_size or data.seq_len")
     self.train_seqs, self.val_seqs, self.batch_size = train, val, batch_size
-    self.batcher = EpochBatcher(ArrayDataset(train, np.zeros(len(train), np.int32), vocab_size),
-                                batch_size, seed)
+    self.order = EpochOrder(len(train), batch_size, seed)
     self.num_classes = vocab_size
-    self.steps_per_epoch = self.batcher.steps_per_epoch
+    self.steps_per_epoch = self.order.steps_per_epoch
     self.rows = slice(*process_share(batch_size))
 
   def example(self, size):
     return np.zeros((1, self.train_seqs.shape[1] - 1), np.int32)
 
   def train_batch(self, step, size):
-    rows, _ = self.batcher.batch(step)
-    rows = rows[self.rows]
+    rows = self.train_seqs[self.order.rows(step)][self.rows]
     return rows[:, :-1], rows[:, 1:]
 
   def eval_batches(self, size) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
