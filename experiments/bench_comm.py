@@ -45,10 +45,10 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+if not __package__:  # run as `python experiments/bench_comm.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from results_io import write_results  # noqa: E402
+from experiments.results_io import write_results  # noqa: E402
 
 SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
          "tiny": 40_009}  # tiny: for the code path's test
@@ -203,7 +203,8 @@ def torch_worker(args) -> None:
   dist.init_process_group("gloo", init_method=f"tcp://{coordinator}", rank=rank,
                           world_size=world)
   import jax
-  import param_trees
+
+  from experiments import param_trees
   measure_link = local_rank == 0
   results = []
   for size_name in args.sizes.split(","):

@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if not __package__:  # run as `python experiments/bench_optim.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import param_trees  # noqa: E402
-from results_io import write_results  # noqa: E402
-
+from experiments import param_trees  # noqa: E402
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax import cpu_kernels, hlo, optim  # noqa: E402
 
 LR, WD = 0.1, 1e-4

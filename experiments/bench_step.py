@@ -31,8 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from results_io import write_results
 
+if not __package__:  # run as `python experiments/bench_step.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax import models
 from sparsejax.train import config as config_lib
 from sparsejax.train import loop, make_mesh
@@ -91,7 +94,8 @@ def optax_step(args, num_classes: int, images, labels):
   return jax.jit(step, donate_argnums=0), state
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
+  """(args, variants) from the command line."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true",
                   help="CPU smoke: resnet50 at width 8, batch 8, 64 px, 3 steps")
@@ -116,40 +120,41 @@ def main(argv=None) -> int:
   for v in variants:
     if v not in known:
       ap.error(f"unknown variant {v!r}; allowed: {sorted(known)}")
+  return args, variants
 
-  num_classes = 1000
-  rng = np.random.default_rng(0)
-  images = rng.standard_normal((args.batch, args.size, args.size, 3), np.float32)
-  labels = rng.integers(0, num_classes, args.batch).astype(np.int32)
-  rows = []
-  for variant in variants:
-    t0 = time.perf_counter()
-    if variant == "optax":
-      step, state = optax_step(args, num_classes, jnp.asarray(images), labels)
-      batch = (jnp.asarray(images), jnp.asarray(labels))
-    else:
-      algorithm, density = ("dense", 1.0) if variant == "dense" else (
-          "hitopk", float(variant.split("-")[1]))
-      config = config_for(args, algorithm, density)
-      mesh = make_mesh(1, 1, jax.devices()[:1])
-      trainer = loop.build_trainer(config, mesh, num_classes, steps_per_epoch=1000,
-                                   total_steps=100_000)
-      state = trainer.init(0, (args.size, args.size, 3))
-      step = trainer.train_step_fn(state)
-      batch = trainer.shard_batch(images, labels)
-    compile_s = time.perf_counter() - t0
-    times, metrics = time_steps(step, state, batch, args.warmup, args.steps)
-    del state
-    ips = [args.batch / t for t in times]
-    row = {"variant": variant, "images_per_s_median": statistics.median(ips),
-           "images_per_s_q1": float(np.percentile(ips, 25)),
-           "images_per_s_q3": float(np.percentile(ips, 75)),
-           "step_ms_median": 1e3 * statistics.median(times), "setup_s": compile_s,
-           "final_loss": float(np.asarray(metrics["loss"]))}
-    rows.append(row)
-    print(f"{variant:14s} {row['images_per_s_median']:9.1f} img/s  "
-          f"{row['step_ms_median']:8.1f} ms/step  (setup+compile {compile_s:.0f} s)", flush=True)
 
+def run_variant(args, variant: str, images: np.ndarray, labels: np.ndarray, num_classes: int
+                ) -> dict:
+  """Builds one variant's step, times it; returns its row."""
+  t0 = time.perf_counter()
+  if variant == "optax":
+    step, state = optax_step(args, num_classes, jnp.asarray(images), labels)
+    batch = (jnp.asarray(images), jnp.asarray(labels))
+  else:
+    algorithm, density = ("dense", 1.0) if variant == "dense" else (
+        "hitopk", float(variant.split("-")[1]))
+    config = config_for(args, algorithm, density)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    trainer = loop.build_trainer(config, mesh, num_classes, steps_per_epoch=1000,
+                                 total_steps=100_000)
+    state = trainer.init(0, (args.size, args.size, 3))
+    step = trainer.train_step_fn(state)
+    batch = trainer.shard_batch(images, labels)
+  compile_s = time.perf_counter() - t0
+  times, metrics = time_steps(step, state, batch, args.warmup, args.steps)
+  del state
+  ips = [args.batch / t for t in times]
+  row = {"variant": variant, "images_per_s_median": statistics.median(ips),
+         "images_per_s_q1": float(np.percentile(ips, 25)),
+         "images_per_s_q3": float(np.percentile(ips, 75)),
+         "step_ms_median": 1e3 * statistics.median(times), "setup_s": compile_s,
+         "final_loss": float(np.asarray(metrics["loss"]))}
+  print(f"{variant:14s} {row['images_per_s_median']:9.1f} img/s  "
+        f"{row['step_ms_median']:8.1f} ms/step  (setup+compile {compile_s:.0f} s)", flush=True)
+  return row
+
+
+def table(args, rows: list[dict]) -> str:
   base = {r["variant"]: r for r in rows}.get("optax")
   lines = [f"{args.model} {args.dtype}, batch {args.batch}, {args.size} px, one "
            f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "",
@@ -160,7 +165,17 @@ def main(argv=None) -> int:
     lines.append(f"| {r['variant']} | {r['images_per_s_median']:.1f} | "
                  f"{r['images_per_s_q1']:.1f}-{r['images_per_s_q3']:.1f} | "
                  f"{r['step_ms_median']:.1f} | {ratio} |")
-  text = "\n".join(lines)
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args, variants = parse_args(argv)
+  num_classes = 1000
+  rng = np.random.default_rng(0)
+  images = rng.standard_normal((args.batch, args.size, args.size, 3), np.float32)
+  labels = rng.integers(0, num_classes, args.batch).astype(np.int32)
+  rows = [run_variant(args, v, images, labels, num_classes) for v in variants]
+  text = table(args, rows)
   print(text)
   meta = {"jax": jax.__version__, "backend": jax.default_backend(),
           "device": jax.devices()[0].device_kind, "machine": platform.machine(),

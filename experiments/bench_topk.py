@@ -26,8 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from results_io import write_results
 
+if not __package__:  # run as `python experiments/bench_topk.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax import topk
 
 SIZES = (1_000_000, 25_557_032, 110_000_000)
@@ -86,7 +89,8 @@ def nonzero_compaction(x: jax.Array, k: int, lo, hi) -> jax.Array:
   return jnp.where(j < c_hi, i_above, i_band[jnp.clip(j - c_hi, 0, k - 1)]).astype(jnp.int32)
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, tuple[int, ...], int]:
+  """(args, sizes, runs) from the command line."""
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="1M and 2M only, 3 runs (a smoke check)")
   ap.add_argument("--runs", type=int, default=7)
@@ -105,7 +109,11 @@ def main(argv=None) -> int:
   runs = 3 if args.quick else args.runs
   if runs < 1:
     ap.error(f"--runs must be >= 1, got {runs}")
-  rng = np.random.default_rng(0)
+  return args, sizes, runs
+
+
+def selection_rows(sizes: tuple[int, ...], runs: int, rng: np.random.Generator) -> list[dict]:
+  """Each method at each size, input distribution and density: times, recall, distinctness."""
   methods = {
       "mstopk": lambda x, k: topk.mstopk(x, k),
       "sampled_topk": lambda x, k: topk.sampled_topk(x, k),
@@ -138,8 +146,12 @@ def main(argv=None) -> int:
               f"  x{ms['speedup_vs_lax_top_k']:.2f} vs lax.top_k  {ms['ratio_to_floor']:.1f}x floor"
               f"  recall {ms['recall']:.4f}", flush=True)
       del x
+  return rows
 
-  # Compaction: a known threshold pair -> exactly k indices, three ways.
+
+def compaction_rows(sizes: tuple[int, ...], runs: int, rng: np.random.Generator
+                    ) -> tuple[int, int, dict]:
+  """Compaction: a known threshold pair -> exactly k indices, three ways: (n, k, results)."""
   n = sizes[min(1, len(sizes) - 1)]
   k = round(0.001 * n)
   host = gaussian(rng, n)
@@ -157,11 +169,10 @@ def main(argv=None) -> int:
     idx = np.asarray(idx)
     compaction[name] = {"median_s": med, "q1_s": q1, "exact_count": len(np.unique(idx)) == k,
                         "recall": recall(a, k, idx)}
+  return n, k, compaction
 
-  meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
-          "machine": platform.machine(), "python": sys.version.split()[0], "runs": runs,
-          "command": " ".join(["python", "experiments/bench_topk.py"] + sys.argv[1:])}
 
+def table(rows: list[dict], n: int, k: int, compaction: dict) -> str:
   lines = [f"{jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}", "",
            "| n | input | density | floor ms | mstopk ms | vs lax.top_k | x floor | recall |"
            " sampled vs top_k (recall) | approx_max_k vs top_k (recall) |",
@@ -178,7 +189,18 @@ def main(argv=None) -> int:
             "| method | median ms | exact count | recall |", "|---|---|---|---|"]
   for name, c in compaction.items():
     lines.append(f"| {name} | {c['median_s']*1e3:.2f} | {c['exact_count']} | {c['recall']:.4f} |")
-  text = "\n".join(lines)
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args, sizes, runs = parse_args(argv)
+  rng = np.random.default_rng(0)
+  rows = selection_rows(sizes, runs, rng)
+  n, k, compaction = compaction_rows(sizes, runs, rng)
+  meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+          "machine": platform.machine(), "python": sys.version.split()[0], "runs": runs,
+          "command": " ".join(["python", "experiments/bench_topk.py"] + sys.argv[1:])}
+  text = table(rows, n, k, compaction)
   print(text)
   write_results(args.out, {"meta": meta, "results": rows,
                            "compaction": {"n": n, "k": k, **compaction}}, text)

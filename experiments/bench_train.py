@@ -42,11 +42,11 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+if not __package__:  # run as `python experiments/bench_train.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
-from results_io import write_results  # noqa: E402
+from experiments.bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
+from experiments.results_io import write_results  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 2
 DENSITY = 0.001

@@ -54,12 +54,12 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+if not __package__:  # run as `python experiments/convergence.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from results_io import write_results  # noqa: E402
 
+from experiments.results_io import write_results  # noqa: E402
 from sparsejax.train.config import default_config  # noqa: E402
 
 # name -> compression overrides; the others keep the task's base (hitopk at 0.01, EF, warm-up)
@@ -304,7 +304,8 @@ def plot(runs: list[dict[str, Any]], png: str) -> None:
   os.replace(png + ".tmp.png", png)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
+  """(parser, args, tasks, variants, seeds, out, root) from the command line."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="a few steps, one seed, three variants")
   p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
@@ -340,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     root = os.path.join(root, "quick")
   if args.epochs != 1.0:
     root = os.path.join(root, f"epochs{args.epochs:g}")
+  return p, args, tasks, variants, seeds, out, root
 
+
+def run_all(tasks: list[str], variants: list[str], seeds: int, args, root: str) -> list[dict]:
+  """Every (task, seed, variant) that applies, trained (or, with --collect, found) under root."""
   runs = []
-  t0 = time.time()
   for task in tasks:
     for seed in range(seeds):  # seed-major: a stopped experiment has whole seeds of variants
       for variant in variants:
@@ -356,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
           print(f"  {task} {variant} seed {seed}: not finished, left out", flush=True)
         else:
           runs.append(run)
+  return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+  p, args, tasks, variants, seeds, out, root = parse_args(argv)
+  t0 = time.time()
+  runs = run_all(tasks, variants, seeds, args, root)
   if not runs:
     p.error(f"no finished run under {root}")
   rows = summarize(runs)

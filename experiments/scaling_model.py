@@ -56,9 +56,10 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+if not __package__:  # run as `python experiments/scaling_model.py`: import from this checkout
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from results_io import write_results  # noqa: E402
+from experiments.results_io import write_results  # noqa: E402
 
 RESNET50 = 25_557_032
 PAIR_BYTES = 8     # float32 value + int32 index

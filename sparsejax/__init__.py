@@ -1,4 +1,10 @@
-"""sparsejax: top-k sparsified, hierarchical data-parallel training in JAX."""
+"""sparsejax: top-k sparsified, hierarchical data-parallel training in JAX.
+
+`sparsejax.data`, `sparsejax.models` and `sparsejax.train` load on first use (so `import
+sparsejax` does not import grain, TFDS or flax).
+"""
+
+import importlib
 
 from sparsejax import comm, compress, flat, hlo, optim, topk
 from sparsejax.compress import topk_allreduce
@@ -11,3 +17,16 @@ __version__ = "0.1.0"
 __all__ = ["comm", "compress", "flat", "hlo", "optim", "topk", "FlatLayout", "topk_allreduce",
            "mstopk", "exact_topk", "sampled_topk", "fused_sgd", "fused_lars", "fused_lamb",
            "fused_adamw"]
+
+_LAZY = ("data", "models", "train")
+
+
+def __getattr__(name: str):
+  """`sparsejax.data` (and models, train) imported on first access."""
+  if name in _LAZY:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted([*globals(), *_LAZY])

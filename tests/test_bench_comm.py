@@ -1,12 +1,8 @@
 """experiments/bench_comm.py --local: every JAX exchange of the benchmark runs and is timed."""
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-
-import bench_comm  # noqa: E402
+from experiments import bench_comm
 
 
 def test_local_mode_times_every_exchange(tmp_path):

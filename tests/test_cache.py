@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pickle
+import struct
 import subprocess
+import sys
 import time
 import warnings
 
@@ -253,6 +256,127 @@ def test_works_with_grain_multiprocess_workers(tmp_path):
   assert run() == list(range(n))  # fresh workers: their memory is empty, the disk is warm
   s = cache.stats()
   assert s["source"]["reads"] == n and s["disk"]["hits"] == n
+
+
+# ----------------------------------------------------------------------------- the disk ledger
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WRITER = """
+import json, os, sys, time
+import numpy as np
+from sparsejax.data import TieredCache
+
+class Blobs:
+  def __len__(self):
+    return 160
+  def __getitem__(self, i):
+    return {"b": bytes([i % 251]) * (20_000 + 3_001 * (i % 29))}
+  def __repr__(self):
+    return "Blobs(160)"
+
+root, me, budget, sync = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+order = np.random.default_rng(int(me)).permutation(160)
+count, reopen = (60, 2) if me == "1" else (160, 10**9)
+while not os.path.exists(os.path.join(sync, "go")):
+  time.sleep(0.001)
+for n, i in enumerate(order[:count]):
+  if n % reopen == 0:  # a grain worker starting, or a copy unpickled: the cache is opened again
+    cache = TieredCache(Blobs(), memory_bytes=1, disk_dir=root, disk_bytes=budget)
+  cache[int(i)]
+open(os.path.join(sync, "done" + me), "w").close()
+while len([f for f in os.listdir(sync) if f.startswith("done")]) < 2:
+  time.sleep(0.001)
+print(json.dumps(cache.stats()["disk"]))
+"""
+
+
+def _python(code: str, *args: str, **popen) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_two_processes_writing_one_directory_keep_the_byte_count_exact(tmp_path):
+  """Both write (and evict); one reopens its cache every other record (a grain worker starting,
+  a copy unpickled) while the other writes on. Neither loses the other's bytes: the count each
+  reads at the end, without reopening, is the bytes on disk."""
+  root, sync, budget = tmp_path / "cache", tmp_path / "sync", 3_000_000
+  sync.mkdir()
+  procs = [_python(_WRITER, str(root), me, str(budget), str(sync)) for me in ("1", "2")]
+  time.sleep(0.5)
+  (sync / "go").touch()
+  outs = [p.communicate(timeout=120) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+  on_disk = sum(disk_files(root).values())
+  for out, _ in outs:
+    disk = json.loads(out)
+    assert disk["bytes"] == on_disk, (disk, on_disk)
+  assert json.loads(outs[1][0])["evictions"] > 0
+  assert 0 < on_disk <= budget
+  assert not [f for f in disk_files(root) if f.endswith(".tmp")]
+  fresh = TieredCache(Source(1), memory_bytes=1, disk_dir=root, disk_bytes=budget)
+  assert fresh.stats()["disk"]["bytes"] == on_disk
+
+
+def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damaged(tmp_path):
+  cache = TieredCache(Source(12), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  for i in range(12):
+    cache[i]
+  counted = sum(disk_files(tmp_path).values())
+  assert cache.stats()["disk"]["bytes"] == counted
+  (tmp_path / "stray.rec").write_bytes(b"x" * 1000)  # behind the ledger's back: not walked for
+  reopen = lambda: TieredCache(Source(12), memory_bytes=1, disk_dir=tmp_path,  # noqa: E731
+                               disk_bytes=1 << 20).stats()["disk"]["bytes"]
+  assert reopen() == counted
+  usage = tmp_path / ".usage"
+  data = bytearray(usage.read_bytes())
+  data[9] ^= 0x01  # a flipped bit in the count: damaged, recounted
+  usage.write_bytes(bytes(data))
+  assert reopen() == counted + 1000
+  usage.unlink()  # missing: recounted
+  (tmp_path / "stray.rec").unlink()
+  assert reopen() == counted
+  usage.write_bytes(struct.pack("<q", 5))  # the ledger of an older version: recounted
+  assert reopen() == counted
+
+
+_KILLED = """
+import os, sys
+from sparsejax.data import TieredCache
+
+class Blobs:
+  def __len__(self):
+    return 10
+  def __getitem__(self, i):
+    return {"b": bytes([i]) * 3000}
+  def __repr__(self):
+    return "Blobs(10)"
+
+real_link = os.link
+def die(src, dst):  # killed just before or just after linking the record into place
+  if sys.argv[2] == "after":
+    real_link(src, dst)
+  os._exit(3)
+
+cache = TieredCache(Blobs(), memory_bytes=1, disk_dir=sys.argv[1], disk_bytes=1 << 20)
+cache[0]
+os.link = die
+cache[1]
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_writer_killed_mid_write_leaves_a_step_the_next_opener_settles(tmp_path, when):
+  proc = _python(_KILLED, str(tmp_path), when)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 3, err
+  files = disk_files(tmp_path)
+  assert len(files) == 1 + (when == "after")
+  cache = TieredCache(Source(2), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  assert cache.stats()["disk"]["bytes"] == sum(files.values())
+  leftovers = [f for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+  assert leftovers == []
 
 
 # ----------------------------------------------------------------------------- bad input

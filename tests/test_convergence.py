@@ -1,15 +1,10 @@
 """experiments/convergence.py --quick: the experiment's code path on real data, in CI."""
 
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import convergence  # noqa: E402
+from experiments import convergence
 
 
 def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):

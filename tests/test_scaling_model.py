@@ -4,16 +4,13 @@ on the committed benchmark results."""
 import json
 import math
 import os
-import sys
 
 import pytest
 
+from experiments import scaling_model as sm
+from sparsejax import comm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-
-import scaling_model as sm  # noqa: E402
-
-from sparsejax import comm  # noqa: E402
 
 
 @pytest.mark.parametrize("nodes,local", [(2, 2), (3, 5), (16, 8)])

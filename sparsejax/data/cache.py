@@ -11,7 +11,8 @@ picklable, thread-safe) and wrap any other one, e.g. a TFDS data source or a dec
 Keys are the source's identity (a hash of its `repr`, or the `key` argument) plus the index, so
 two sources never share entries. The disk tier holds one file per record in the checksummed
 format of `sparsejax.data.records` (never pickle), written to a temporary name and linked into
-place, so a crash leaves either the whole record or none. A later process finds the disk warm.
+place, so a crash leaves either the whole record or none. A later process finds the disk warm,
+and opening costs the same however many records it holds (`sparsejax.data.disk`).
 Counters live in shared memory (`sparsejax.data.shared`), so grain's worker processes add to the
 numbers the trainer logs.
 """
@@ -19,20 +20,18 @@ numbers the trainer logs.
 from __future__ import annotations
 
 import collections
-import fcntl
 import hashlib
 import os
 import re
-import struct
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Protocol
 
 import numpy as np
 
 from sparsejax.data import records
+from sparsejax.data.disk import DiskTier
 from sparsejax.data.shared import SharedSlots
 
 __all__ = ["RandomAccessSource", "RemoteSource", "TieredCache"]
@@ -40,7 +39,6 @@ __all__ = ["RandomAccessSource", "RemoteSource", "TieredCache"]
 _COUNTERS = ("memory_hits", "memory_misses", "memory_bytes", "memory_evictions",
              "disk_hits", "disk_misses", "disk_bytes_written", "disk_evictions", "disk_corrupt",
              "disk_write_errors", "source_reads", "source_bytes")
-_FANOUT = 256  # sub-directories per source, so no directory holds millions of files
 
 
 class RandomAccessSource(Protocol):
@@ -114,184 +112,6 @@ class _MemoryTier:
     return size - freed, evicted
 
 
-class _DiskTier:
-  """Record files under `root/<identity>/<index % 256>/`, bounded by bytes over the whole `root`.
-
-  The bytes in use are kept in `root/.usage` under an flock of `root/.lock`, so every process
-  and every source sharing the directory keeps to one budget. Eviction is least-recently-used
-  among the records this process knows of (those it found at start, wrote or read).
-  """
-
-  def __init__(self, root: str, identity: str, budget: int, lock: threading.Lock):
-    self.root, self.budget = root, budget
-    self.lock = lock  # guards `known`; file reads and decoding happen outside it
-    self.dir = os.path.join(root, identity)
-    self.enabled = True
-    self.full = False
-    self.known: collections.OrderedDict[str, int] | None = None  # path -> size, LRU order
-    self._usage_fd: int | None = None
-
-  def _path(self, index: int) -> str:
-    return os.path.join(self.dir, f"{index % _FANOUT:02x}", f"{index}.rec")
-
-  # -- the shared byte count: 8 bytes in root/.usage, rewritten in place under its flock (so a
-  # full disk cannot stop the accounting)
-  def _locked_usage(self):
-    tier = self
-
-    class _Ctx:
-      def __enter__(self):
-        if tier._usage_fd is None:
-          tier._usage_fd = os.open(os.path.join(tier.root, ".usage"), os.O_RDWR | os.O_CREAT,
-                                   0o644)
-        fcntl.flock(tier._usage_fd, fcntl.LOCK_EX)
-        return self
-
-      def read(self) -> int:
-        data = os.pread(tier._usage_fd, 8, 0)
-        return struct.unpack("<q", data)[0] if len(data) == 8 else 0
-
-      def write(self, value: int) -> None:
-        os.pwrite(tier._usage_fd, struct.pack("<q", max(0, value)), 0)
-
-      def __exit__(self, *exc):
-        fcntl.flock(tier._usage_fd, fcntl.LOCK_UN)
-
-    return _Ctx()
-
-  def close(self) -> None:
-    if self._usage_fd is not None:
-      os.close(self._usage_fd)
-      self._usage_fd = None
-
-  def open(self) -> None:
-    """First use in this process: make the directories, count what is on disk."""
-    if self.known is not None:
-      return
-    self.known = collections.OrderedDict()
-    try:
-      os.makedirs(self.dir, exist_ok=True)
-      with self._locked_usage() as usage:
-        found, total = [], 0
-        for dirpath, _, files in os.walk(self.root):
-          for name in files:
-            if name.endswith(".rec"):
-              path = os.path.join(dirpath, name)
-              try:
-                st = os.stat(path)
-              except FileNotFoundError:
-                continue
-              total += st.st_size
-              found.append((st.st_mtime, path, st.st_size))
-        usage.write(total)
-      for _, path, size in sorted(found):
-        self.known[path] = size
-    except OSError as e:
-      self.enabled = False
-      warnings.warn(f"TieredCache: disk directory {self.root!r} is not usable ({e}); "
-                    "continuing with the memory tier only", RuntimeWarning, stacklevel=4)
-
-  def read(self, index: int) -> tuple[str, Any]:
-    """("hit", value) | ("miss", None) | ("corrupt", None) (the bad file is removed)."""
-    path = self._path(index)
-    try:
-      with open(path, "rb") as f:
-        blob = f.read()
-    except FileNotFoundError:
-      return "miss", None
-    except OSError:
-      return "miss", None
-    try:
-      value = records.decode(blob)
-    except records.CorruptRecord:
-      self._remove(path)
-      return "corrupt", None
-    with self.lock:
-      if path in self.known:
-        self.known.move_to_end(path)
-      else:
-        self.known[path] = len(blob)
-    return "hit", value
-
-  def _remove(self, path: str) -> bool:
-    try:
-      size = os.stat(path).st_size
-      os.remove(path)
-    except FileNotFoundError:
-      with self.lock:
-        self.known.pop(path, None)
-      return False
-    with self.lock:
-      self.known.pop(path, None)
-    with self._locked_usage() as usage:
-      usage.write(usage.read() - size)
-    return True
-
-  def write(self, index: int, blob: bytes) -> tuple[int, int, bool]:
-    """Stores a record if the budget allows; returns (bytes written, evictions, write failed)."""
-    size = len(blob)
-    if self.full or size > self.budget:
-      return 0, 0, False
-    path = self._path(index)
-    evictions = 0
-    try:
-      with self._locked_usage() as usage:  # reserve the space, evicting the oldest records
-        used = usage.read()
-        while used + size > self.budget and self.known:
-          victim, vsize = self.known.popitem(last=False)
-          try:
-            os.remove(victim)
-            used -= vsize
-            evictions += 1
-          except FileNotFoundError:  # another process evicted it and counted it
-            pass
-        if used + size > self.budget:
-          return 0, evictions, False
-        usage.write(used + size)
-    except OSError as e:
-      self._stop_writing(e)
-      return 0, evictions, True
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      with open(tmp, "wb") as f:
-        f.write(blob)
-      os.link(tmp, path)  # atomic, and fails if another writer got there first
-      self.known[path] = size
-      return size, evictions, False
-    except FileExistsError:
-      self._release(size)
-      return 0, evictions, False
-    except OSError as e:
-      self._release(size)
-      self._stop_writing(e)
-      return 0, evictions, True
-    finally:
-      try:
-        os.remove(tmp)
-      except FileNotFoundError:
-        pass
-
-  def _stop_writing(self, error: OSError) -> None:
-    """Any write error (a full disk, a read-only or vanished directory): stop writing, warn once,
-    keep serving the records already on disk."""
-    if not self.full:
-      self.full = True
-      warnings.warn(f"TieredCache: cannot write to {self.root!r} ({error}); the disk tier stops "
-                    "writing and keeps serving what it holds", RuntimeWarning, stacklevel=4)
-
-  def _release(self, size: int) -> None:
-    try:
-      with self._locked_usage() as usage:
-        usage.write(usage.read() - size)
-    except OSError:  # the next process to open the directory recounts it
-      pass
-
-  def used_bytes(self) -> int:
-    with self._locked_usage() as usage:
-      return usage.read()
-
-
 class TieredCache:
   """A random-access source that remembers what it read from `source`, in memory and on disk.
 
@@ -331,7 +151,7 @@ class TieredCache:
     self._lock = threading.Lock()
     self._memory = _MemoryTier(self.memory_bytes)
     self._disk = (None if self.disk_dir is None
-                  else _DiskTier(self.disk_dir, self.identity, self.disk_bytes, self._lock))
+                  else DiskTier(self.disk_dir, self.identity, self.disk_bytes, self._lock))
     if self._disk is not None:
       self._disk.open()
       weakref.finalize(self, self._disk.close)
@@ -376,9 +196,7 @@ class TieredCache:
     value = self.source[i]
     self._counters.add(source_reads=1, source_bytes=records.nbytes_of(value))
     if disk is not None and not disk.full:
-      blob = records.encode(value)
-      with self._lock:
-        written, evictions, failed = disk.write(i, blob)
+      written, evictions, failed = disk.write(i, records.encode(value))
       self._counters.add(disk_bytes_written=written, disk_evictions=evictions,
                          disk_write_errors=int(failed))
     self._remember(i, value)

@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from sparsejax.data.small import ArrayDataset
+from sparsejax.data.batching import ArrayDataset
 
 __all__ = ["read_idx", "idx_dataset", "FASHION_MNIST_DIR", "FILES"]
 

@@ -1,48 +1,64 @@
-"""What the train loop reads: one interface over the in-memory sets and the ImageNet pipeline.
+"""What the train loop reads: one protocol over every kind of input (images, token sequences,
+sentence pairs), and `open_inputs(config)`, which builds the one `config.data` names.
 
   data = open_inputs(config)              # config.data names the set; batch sizes from config
   data.train_batch(step, size)            # this process's share of global batch `step`
-  data.eval_batches(size)                 # (images, labels, weights), padded, this process's
+  data.eval_batches(size)                 # (inputs, targets, weights), padded, this process's
   data.stats()                            # input counters to log (cache tiers, corrupt records)
 
-Batches are a function of the step (see `EpochBatcher`, `ImagePipeline`): the checkpointed step
-is the iterator position.
+Batches are a function of the step (see `batching.EpochOrder`, `pipeline.TrainImagePipeline`):
+the checkpointed step is the iterator position.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from sparsejax.data import small
+from sparsejax.data.batching import process_share
 from sparsejax.data.cache import TieredCache
 
 __all__ = ["Inputs", "InMemoryInputs", "ImageNetInputs", "open_inputs"]
 
+# What a model takes: one array (images, tokens) or a tuple of arrays (source and target tokens),
+# batch on axis 0.
+ModelInputs = Any
 
+
+@runtime_checkable
 class Inputs(Protocol):
+  """A dataset as the train loop reads it. A batch is (inputs, targets): `inputs` what the model
+  takes (`ModelInputs`), `targets` int32[batch, ...] (class labels, or the next tokens). `size`
+  is the image side of the current resolution stage; inputs that are not images ignore it.
+
+  num_classes: classes, or the vocabulary size for token inputs.
+  steps_per_epoch: global batches per epoch.
+  """
+
   num_classes: int
   steps_per_epoch: int
 
-  def example(self, size: int | None) -> np.ndarray: ...
-  def train_batch(self, step: int, size: int | None) -> tuple[np.ndarray, np.ndarray]: ...
+  def example(self, size: int | None) -> ModelInputs:
+    """Inputs of a batch of one, as the model sees them (for initialisation)."""
+    ...
+
+  def train_batch(self, step: int, size: int | None) -> tuple[ModelInputs, np.ndarray]:
+    """This process's rows of global batch `step` (counting over all epochs)."""
+    ...
+
   def eval_batches(self, size: int | None
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
-  def stats(self) -> dict[str, float]: ...
+                   ) -> Iterator[tuple[ModelInputs, np.ndarray, np.ndarray]]:
+    """This process's rows of the held-out set in order: (inputs, targets, float32 weights), the
+    last batch padded with weight 0."""
+    ...
 
-
-def _process_share(batch_size: int) -> tuple[int, int]:
-  """(start, stop) of this process's rows of a global batch: processes own contiguous blocks of
-  the mesh's devices, in order."""
-  import jax
-  count, index = jax.process_count(), jax.process_index()
-  if batch_size % count:
-    raise ValueError(f"global batch_size {batch_size} is not divisible by the {count} processes")
-  per = batch_size // count
-  return index * per, (index + 1) * per
+  def stats(self) -> dict[str, float]:
+    """Input counters to log (may be empty)."""
+    ...
 
 
 class InMemoryInputs:
@@ -55,7 +71,7 @@ class InMemoryInputs:
     self.batcher = small.EpochBatcher(train, batch_size, seed)
     self.num_classes = train.num_classes
     self.steps_per_epoch = self.batcher.steps_per_epoch
-    self.rows = slice(*_process_share(batch_size))
+    self.rows = slice(*process_share(batch_size))
 
   def example(self, size):
     """A batch of one input, as the model sees it (for initialisation)."""
@@ -109,11 +125,11 @@ class ImageNetInputs:
 
     common = dict(process_index=jax.process_index(), process_count=count,
                   workers=data_cfg.workers, threads=data_cfg.threads)
-    self.train = pipeline.ImagePipeline(raw, batch_size=per_process, seed=seed, train=True,
-                                        decoded_cache=decoded,
-                                        decoded_max_size=data_cfg.decoded_max_size, **common)
-    self.eval = pipeline.ImagePipeline(imagenet.source(path, data_cfg.eval_split),
-                                       batch_size=per_process, train=False, **common)
+    self.train = pipeline.TrainImagePipeline(raw, batch_size=per_process, seed=seed,
+                                             decoded_cache=decoded,
+                                             decoded_max_size=data_cfg.decoded_max_size, **common)
+    self.eval = pipeline.EvalImagePipeline(imagenet.source(path, data_cfg.eval_split),
+                                           batch_size=per_process, **common)
     self.num_classes = imagenet.NUM_CLASSES
     self.steps_per_epoch = self.train.steps_per_epoch
 

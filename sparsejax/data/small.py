@@ -1,29 +1,17 @@
-"""Small real image sets held in memory, and deterministic batching by step number.
+"""Small real image sets held in memory (digits, Fashion-MNIST, any IDX directory).
 
-`EpochBatcher.batch(step)` depends only on (seed, step), so the iterator position that a checkpoint
-needs is the step itself and a resumed run sees exactly the batches of an uninterrupted one.
+`ArrayDataset`, `EpochBatcher` and `eval_batches` live in `sparsejax.data.batching` (shared by
+every dataset) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-
 import numpy as np
 
+from sparsejax.data import idx
+from sparsejax.data.batching import ArrayDataset, EpochBatcher, eval_batches
+
 __all__ = ["ArrayDataset", "EpochBatcher", "digits", "eval_batches", "load", "resize"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayDataset:
-  """images: float32[n, h, w, c], normalised; labels: int32[n]."""
-
-  images: np.ndarray
-  labels: np.ndarray
-  num_classes: int
-
-  def __len__(self) -> int:
-    return len(self.labels)
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, ArrayDataset]:
@@ -44,12 +32,10 @@ def digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, Arr
 
 
 def _fashion_mnist(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
-  from sparsejax.data import idx
   return idx.idx_dataset(path or idx.FASHION_MNIST_DIR, seed)
 
 
 def _idx(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
-  from sparsejax.data import idx
   if not path:
     raise ValueError("dataset 'idx' needs data.path: a directory of MNIST-format IDX files")
   return idx.idx_dataset(path, seed)
@@ -65,33 +51,6 @@ def load(name: str, seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayD
   if name not in DATASETS:
     raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
   return DATASETS[name](seed, path)
-
-
-class EpochBatcher:
-  """Global training batches: each epoch a fresh permutation (seeded), remainder dropped."""
-
-  def __init__(self, data: ArrayDataset, global_batch: int, seed: int):
-    if global_batch > len(data):
-      raise ValueError(f"global batch {global_batch} is larger than the dataset ({len(data)})")
-    self.data, self.global_batch, self.seed = data, global_batch, seed
-    self.steps_per_epoch = len(data) // global_batch
-
-  def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-    epoch, i = divmod(step, self.steps_per_epoch)
-    perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
-    idx = np.sort(perm[i * self.global_batch:(i + 1) * self.global_batch])
-    return self.data.images[idx], self.data.labels[idx]
-
-
-def eval_batches(data: ArrayDataset, global_batch: int
-                 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-  """All of `data` in order, in batches of `global_batch`; the last is padded, with weights 0."""
-  n = len(data)
-  for start in range(0, n, global_batch):
-    idx = np.arange(start, start + global_batch)
-    weight = (idx < n).astype(np.float32)
-    idx = np.minimum(idx, n - 1)
-    yield data.images[idx], data.labels[idx], weight
 
 
 def resize(images: np.ndarray, size: int) -> np.ndarray:

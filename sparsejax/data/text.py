@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from sparsejax.data.batching import EpochOrder, padded_batches, process_share
+
 __all__ = ["kjv_documents", "text_documents", "split_documents", "bpe_tokenizer", "Tokenizer",
            "pack", "TextInputs", "PAD", "UNK", "BOS", "EOS"]
 
@@ -168,32 +170,25 @@ class TextInputs:
 
   def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int, batch_size: int,
                seed: int):
-    from sparsejax.data.small import ArrayDataset, EpochBatcher
     if batch_size > len(train):
       raise ValueError(f"global batch {batch_size} is larger than the {len(train)} training "
                        "sequences; lower batch_size or data.seq_len")
     self.train_seqs, self.val_seqs, self.batch_size = train, val, batch_size
-    self.batcher = EpochBatcher(ArrayDataset(train, np.zeros(len(train), np.int32), vocab_size),
-                                batch_size, seed)
+    self.order = EpochOrder(len(train), batch_size, seed)
     self.num_classes = vocab_size
-    self.steps_per_epoch = self.batcher.steps_per_epoch
-    from sparsejax.data.inputs import _process_share
-    self.rows = slice(*_process_share(batch_size))
+    self.steps_per_epoch = self.order.steps_per_epoch
+    self.rows = slice(*process_share(batch_size))
 
   def example(self, size):
     return np.zeros((1, self.train_seqs.shape[1] - 1), np.int32)
 
   def train_batch(self, step, size):
-    rows, _ = self.batcher.batch(step)
-    rows = rows[self.rows]
+    rows = self.train_seqs[self.order.rows(step)][self.rows]
     return rows[:, :-1], rows[:, 1:]
 
   def eval_batches(self, size) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    n, b = len(self.val_seqs), self.batch_size
-    for start in range(0, n, b):
-      idx = np.arange(start, start + b)
-      weights = (idx < n).astype(np.float32)
-      rows = self.val_seqs[np.minimum(idx, n - 1)][self.rows]
+    for rows, weights in padded_batches((self.val_seqs,), self.batch_size):
+      rows = rows[self.rows]
       yield rows[:, :-1], rows[:, 1:], weights[self.rows]
 
   def stats(self):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from sparsejax.data import prepared
+from sparsejax.data.batching import EpochOrder, padded_batches, process_share
 from sparsejax.data.text import BOS, EOS, Tokenizer
 
 __all__ = ["WMT14", "prepare_wmt14", "tfds_pairs", "tsv_pairs", "tokenizer_corpus",
@@ -102,22 +103,18 @@ class TranslationInputs:
 
   def __init__(self, train: tuple[np.ndarray, np.ndarray], val: tuple[np.ndarray, np.ndarray],
                vocab_size: int, batch_size: int, seed: int):
-    from sparsejax.data.inputs import _process_share
-    from sparsejax.data.small import ArrayDataset, EpochBatcher
     if batch_size > len(train[0]):
       raise ValueError(f"global batch {batch_size} is larger than the {len(train[0])} training "
                        "sentence pairs; lower batch_size")
     self.seq_len = train[0].shape[1]
-    joined = np.concatenate(train, axis=1)  # [n, 2L + 1]: one row per pair for the batcher
-    self.val = np.concatenate(val, axis=1)
-    self.batcher = EpochBatcher(ArrayDataset(joined, np.zeros(len(joined), np.int32),
-                                             vocab_size), batch_size, seed)
+    self.train, self.val = train, val
+    self.order = EpochOrder(len(train[0]), batch_size, seed)
     self.batch_size, self.num_classes = batch_size, vocab_size
-    self.steps_per_epoch = self.batcher.steps_per_epoch
-    self.rows = slice(*_process_share(batch_size))
+    self.steps_per_epoch = self.order.steps_per_epoch
+    self.rows = slice(*process_share(batch_size))
 
-  def _split(self, rows: np.ndarray):
-    src, tgt = rows[:, :self.seq_len], rows[:, self.seq_len:]
+  @staticmethod
+  def _split(src: np.ndarray, tgt: np.ndarray):
     return (src, tgt[:, :-1]), tgt[:, 1:]
 
   def example(self, size):
@@ -125,15 +122,12 @@ class TranslationInputs:
     return (z, z)
 
   def train_batch(self, step, size):
-    rows, _ = self.batcher.batch(step)
-    return self._split(rows[self.rows])
+    idx = self.order.rows(step)[self.rows]
+    return self._split(self.train[0][idx], self.train[1][idx])
 
   def eval_batches(self, size) -> Iterator[tuple[Any, np.ndarray, np.ndarray]]:
-    n, b = len(self.val), self.batch_size
-    for start in range(0, n, b):
-      idx = np.arange(start, start + b)
-      weights = (idx < n).astype(np.float32)
-      inputs, labels = self._split(self.val[np.minimum(idx, n - 1)][self.rows])
+    for src, tgt, weights in padded_batches(self.val, self.batch_size):
+      inputs, labels = self._split(src[self.rows], tgt[self.rows])
       yield inputs, labels, weights[self.rows]
 
   def stats(self):
