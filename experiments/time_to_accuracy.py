@@ -56,11 +56,11 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+if not __package__:  # run as `python experiments/time_to_accuracy.py`: import from this checkout
+  sys.path.insert(0, ROOT)
 
-from bench_comm import launch_workers  # noqa: E402
-from results_io import write_results  # noqa: E402
+from experiments.bench_comm import launch_workers  # noqa: E402
+from experiments.results_io import write_results  # noqa: E402
 
 NODES = 2
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
@@ -601,7 +601,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tta_fmnist_mlp.py"))
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-  ap.add_argument("--systems", default=",".join(SYSTEMS))
+  ap.add_argument("--systems", help=f"default: all ({','.join(SYSTEMS)}); --quick: "
+                  "dense,hitopk-0.01,torch-ddp")
   ap.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS)
   ap.add_argument("--headline", default="1gbit", help="the link's bandwidth while training")
   ap.add_argument("--seeds", type=int, default=3, help="each seed is one process run per system")
@@ -636,10 +637,10 @@ def main(argv=None) -> int:
 def drive(ap, args) -> int:
   if args.quick:
     args.sets = QUICK_SETS + args.sets
-    args.systems, args.bandwidths, args.headline = "dense,hitopk-0.01,torch-ddp", \
-        "unlimited,200mbit", "200mbit"
+    args.systems = args.systems or "dense,hitopk-0.01,torch-ddp"
+    args.bandwidths, args.headline = "unlimited,200mbit", "200mbit"
     args.seeds, args.parity_runs, args.reps, args.warmup = 1, 1, 3, 1
-  systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+  systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
   bad = [s for s in systems if s not in SYSTEMS]
   if bad:
     ap.error(f"unknown system(s) {bad}; allowed: {', '.join(SYSTEMS)}")

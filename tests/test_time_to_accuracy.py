@@ -4,18 +4,14 @@ flax MLP."""
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-
-import time_to_accuracy as tta  # noqa: E402
-
-from sparsejax import cluster, models  # noqa: E402
-from sparsejax.compress import density_levels  # noqa: E402
+from experiments import time_to_accuracy as tta
+from sparsejax import cluster, models
+from sparsejax.compress import density_levels
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_mlp.py")
 
