@@ -41,6 +41,7 @@ crossovers against sparsejax dense marked).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -383,14 +384,31 @@ def parity_worker(args) -> None:
 
 # ----------------------------------------------------------------------------- driver
 
+@contextlib.contextmanager
+def _exclusive(path: str | None):
+  """Holds an flock on `path` (if given) for one process run, so benchmarks that share a
+  machine and the lock never time at the same moment."""
+  if not path:
+    yield
+    return
+  import fcntl
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict]:
   argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
           *extra]
   runtime = SYSTEMS[system][0]
   local = load_task(args.config, args.sets).mesh.local
-  return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
-                        devices_per_proc=local if runtime == "jax" else 1, log=log,
-                        what=f"{mode} {system}", torch=runtime == "torch")
+  with _exclusive(args.lock):
+    return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
+                          devices_per_proc=local if runtime == "jax" else 1, log=log,
+                          what=f"{mode} {system}", torch=runtime == "torch")
 
 
 def run_parity(args, log) -> list[dict]:
@@ -405,8 +423,9 @@ def run_parity(args, log) -> list[dict]:
                "--config", args.config, "--sets", json.dumps(args.sets), "--worker-out", f.name,
                "--warmup", str(args.warmup), "--reps", str(args.reps)]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=1200)
+        with _exclusive(args.lock):
+          subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         timeout=1200)
         with open(f.name) as g:
           row[runtime] = json.load(g)
     row["jax_over_torch"] = row["jax"]["step_s"] / row["torch"]["step_s"]
@@ -610,6 +629,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--phases", default="parity,runs")
+  ap.add_argument("--lock", help="a file to flock around each process run (benchmarks that "
+                  "share the machine and the file take turns)")
   ap.add_argument("--quick", action="store_true",
                   help="CI smoke run: tiny MLP, few steps, dense/hitopk-0.01/torch-ddp, 1 seed")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "time_to_accuracy.json"))
