@@ -264,20 +264,51 @@ IMAGENET_TRAIN = 1_281_167
 STAGES = ((0, 13, 128), (13, 25, 224), (25, 28, 288))  # (first epoch, end epoch, px)
 
 
-def v100_cluster(nodes: int) -> Cluster:
+# The GPUs of the projections: throughput (ResNet-50, 224 px, mixed precision), memory and
+# NVLink bandwidth scale the per-value costs of the V100 rows of SOURCES.
+GPUS = {
+    "v100": {"images_per_s": SOURCES["v100_images_per_s"][0], "memory_Bps": 0.9e12,
+             "intra_Bps": SOURCES["intra_Bps"][0]},
+    "h100": {"images_per_s": 4200.0, "memory_Bps": 3.35e12, "intra_Bps": 300e9},
+}
+GPU_SOURCES = {
+    "h100_images_per_s": (
+        4200.0, "ResNet-50, 1x H100 SXM, mixed precision: 1.8x an A100 (MLPerf Training v3.0, "
+        "16 H100 in 7.8 min vs 16 A100 in 14.4 min, silvertonconsulting.com 2023-07-12) times "
+        "A100's 2,180-2,470 img/s (DeepLearningExamples MXNet/PyTorch ResNet50v1.5 READMEs); "
+        "derived, range 3,000-6,500"),
+    "h100_memory_Bps": (3.35e12, "H100 SXM HBM3 (NVIDIA H100 datasheet)"),
+    "h100_intra_Bps": (300e9, "NVLink 4 between 8 H100s, 450 GB/s per direction; NCCL rings "
+                              "reach about 2/3 of it (assumption, as for V100)"),
+    "current_links_gbit": ((25, 100), "general-purpose cloud VM NICs (25-100 Gbit/s); flagship "
+                                      "8-GPU instances have 600-3,600 Gbit/s GPU fabrics "
+                                      "(cloud.google.com/compute/docs/gpus/gpu-network-bandwidth)"),
+}
+
+
+def gpu_cluster(nodes: int, gpu: str = "v100", link_gbit: float = 25.0) -> Cluster:
+  """`nodes` x 8 `gpu`s joined by `link_gbit` Ethernet at 90% goodput."""
   s = {k: v for k, (v, _) in SOURCES.items()}
-  return Cluster(nodes=nodes, local=8, inter_Bps=s["inter_Bps"], intra_Bps=s["intra_Bps"],
+  g = GPUS[gpu]
+  mem = 0.9e12 / g["memory_Bps"]  # SOURCES' per-value costs are V100 figures
+  return Cluster(nodes=nodes, local=8, inter_Bps=link_gbit * 1e9 / 8 * 0.9,
+                 intra_Bps=g["intra_Bps"],
                  inter_alpha_s=s["inter_alpha_s"], intra_alpha_s=s["intra_alpha_s"],
                  call_s=s["call_s"],
-                 select_s=lambda n, k: (s["select_fixed_s"] + s["select_s_per_value"] * n
-                                        + s["select_s_per_pair"] * k), pair_s=s["pair_s"],
-                 pass_s_per_value=s["pass_s_per_value"])
+                 select_s=lambda n, k: (s["select_fixed_s"] + mem * (
+                     s["select_s_per_value"] * n + s["select_s_per_pair"] * k)),
+                 pair_s=mem * s["pair_s"], pass_s_per_value=mem * s["pass_s_per_value"])
 
 
-def iteration(algorithm: str, nodes: int, batch_per_gpu: int, px: int) -> dict[str, float]:
-  """Predicted seconds per iteration of ResNet-50 on `nodes` x 8 V100."""
-  compute = batch_per_gpu / SOURCES["v100_images_per_s"][0] * (px / 224) ** 2
-  cl = v100_cluster(nodes)
+def v100_cluster(nodes: int) -> Cluster:
+  return gpu_cluster(nodes, "v100", 25.0)
+
+
+def iteration(algorithm: str, nodes: int, batch_per_gpu: int, px: int, gpu: str = "v100",
+              link_gbit: float = 25.0) -> dict[str, float]:
+  """Predicted seconds per iteration of ResNet-50 on `nodes` x 8 `gpu`s."""
+  compute = batch_per_gpu / GPUS[gpu]["images_per_s"] * (px / 224) ** 2
+  cl = gpu_cluster(nodes, gpu, link_gbit)
   if algorithm in ("dense", "dense+overlap"):
     comm = exchange_time("dense", RESNET50, 1.0, cl)["total"]
   else:
@@ -291,6 +322,17 @@ def iteration(algorithm: str, nodes: int, batch_per_gpu: int, px: int) -> dict[s
           "images_per_s": nodes * 8 * batch_per_gpu / total}
 
 
+def dawnbench_seconds(algorithm: str, batch_per_gpu: int, gpu: str = "v100",
+                      link_gbit: float = 25.0, epochs_scale: float = 1.0) -> float:
+  """Training seconds of the DAWNBench recipe's stages on 16 x 8 `gpu`s; `epochs_scale` stretches
+  every stage (a method that needs that many times the steps to the same accuracy)."""
+  seconds = 0.0
+  for first, end, px in STAGES:
+    steps = (end - first) * epochs_scale * IMAGENET_TRAIN / (16 * 8 * batch_per_gpu)
+    seconds += steps * iteration(algorithm, 16, batch_per_gpu, px, gpu, link_gbit)["iteration_s"]
+  return seconds
+
+
 PROJECTED = ("dense", "dense+overlap", "allgather-0.001", "hitopk-0.01", "hitopk-0.001")
 
 
@@ -300,15 +342,174 @@ def project(batch_per_gpu: int) -> dict[str, Any]:
     for alg in PROJECTED:
       rows.append({"nodes": nodes, "gpus": nodes * 8, "algorithm": alg,
                    **iteration(alg, nodes, batch_per_gpu, 224)})
-  dawn = {}
-  global_batch = 16 * 8 * batch_per_gpu
-  for alg in PROJECTED:
-    seconds = 0.0
-    for first, end, px in STAGES:
-      steps = (end - first) * IMAGENET_TRAIN / global_batch
-      seconds += steps * iteration(alg, 16, batch_per_gpu, px)["iteration_s"]
-    dawn[alg] = seconds
+  dawn = {alg: dawnbench_seconds(alg, batch_per_gpu) for alg in PROJECTED}
   return {"rows": rows, "dawnbench_28_epochs_s": dawn}
+
+
+# --- 3. the link-bound time-to-accuracy runs ----------------------------------------------
+
+# The time-to-accuracy sweep's bandwidths whose rows are fitted; the others are held out (one
+# interpolated, one extrapolated below the fitted range).
+TTA_FITTED = ("unlimited", "2gbit", "500mbit")
+
+
+def tta_rows(tta: dict[str, Any]) -> list[dict[str, Any]]:
+  """sparsejax's step times in the time-to-accuracy sweep: one row per (system, bandwidth,
+  density level), the median over its process runs."""
+  groups: dict[tuple, list[dict[str, Any]]] = {}
+  for r in tta["sweep"]:
+    if not r["system"].startswith("torch"):
+      groups.setdefault((r["system"], r["bandwidth"], r["density"]), []).append(r)
+  return [{"system": system, "algorithm": _parse_algorithm(system)[0], "bandwidth": bw,
+           "rate_bps": rs[0]["rate_bps"], "density": d,
+           "measured_s": float(np.median([r["step_s"] for r in rs])),
+           "link_bytes": float(np.median([r["node0_link_bytes_per_step"] for r in rs]))}
+          for (system, bw, d), rs in groups.items()]
+
+
+def link_bytes(algorithm: str, n: int, density: float, nodes: int, local: int) -> float:
+  """Payload bytes one exchange puts on a node's link (the ring formulas of exchange_time)."""
+  cl = Cluster(nodes=nodes, local=local, inter_Bps=1.0, intra_Bps=math.inf, inter_alpha_s=0.0,
+               intra_alpha_s=0.0, call_s=0.0, select_s=lambda n, k: 0.0, pair_s=0.0,
+               pass_s_per_value=0.0)
+  return exchange_time(algorithm, n, density, cl)["total"]
+
+
+def tta_cluster(params: np.ndarray, rate_bps: float | None, overhead: float,
+                local: int) -> Cluster:
+  """The emulated cluster of the study: 2 nodes x 1 process x `local` devices."""
+  call, net, intra, select, pair, pas = np.exp(params)
+  link = net if rate_bps is None else min(rate_bps / 8 / overhead, net)
+  return Cluster(nodes=2, local=local, inter_Bps=link, intra_Bps=intra, inter_alpha_s=0.0,
+                 intra_alpha_s=0.0, call_s=call, select_s=lambda n, k: select * n, pair_s=pair,
+                 pass_s_per_value=pas)
+
+
+def tta_model_size(tta: dict[str, Any]) -> int:
+  """Parameters of the study's model (its config and --set values are in the results)."""
+  import jax
+
+  from experiments.time_to_accuracy import load_task
+  from sparsejax import models
+  meta = tta["meta"]
+  config = load_task(meta["config"], meta["sets"])
+  model = models.build(config.model.name, num_classes=10,
+                       **({"hidden": tuple(config.model.hidden)} if config.model.hidden else {}))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 28, 28, 1))))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+
+
+def calibrate_tta(tta: dict[str, Any], n: int) -> dict[str, Any]:
+  """Fits the step model (compute from the parity phase + exchange_time on the emulated
+  cluster) to the TTA_FITTED bandwidths' rows and predicts the others."""
+  from scipy.optimize import least_squares
+  local = tta["meta"]["local"]
+  compute = float(np.median([r["jax"]["step_s"] for r in tta["parity"]]))
+  rows = tta_rows(tta)
+  dense = [r for r in rows if r["algorithm"] == "dense" and r["rate_bps"] is not None]
+  overhead = float(np.median([r["link_bytes"] / link_bytes("dense", n, 1.0, 2, local)
+                              for r in dense]))
+
+  def predict(params, r):
+    cl = tta_cluster(params, r["rate_bps"], overhead, local)
+    return compute + exchange_time(r["algorithm"], n, r["density"], cl)["total"]
+
+  fit_rows = [r for r in rows if r["bandwidth"] in TTA_FITTED]
+
+  def residuals(params):
+    return [math.log(predict(params, r) / r["measured_s"]) for r in fit_rows]
+
+  # start: 5 ms per collective, gloo at 300 MB/s, 1 GB/s between the devices of a process,
+  # 2 ns per value selected, 10 ns per pair, 1 ns per pass value
+  fit = least_squares(residuals, np.log([5e-3, 3e8, 1e9, 2e-9, 1e-8, 1e-9]))
+  out = []
+  for r in rows:
+    pred = predict(fit.x, r)
+    model_bytes = link_bytes(r["algorithm"], n, r["density"], 2, local) * overhead
+    out.append({**r, "predicted_s": pred, "error": pred / r["measured_s"] - 1,
+                "held_out": r["bandwidth"] not in TTA_FITTED,
+                "link_bytes_model": model_bytes})
+  held = [abs(o["error"]) for o in out if o["held_out"]]
+  call, net, intra, select, pair, pas = np.exp(fit.x)
+  return {"fitted": ", ".join(TTA_FITTED), "compute_s": compute, "n": n,
+          "params": {"call_s": call, "net_Bps": net, "intra_Bps": intra,
+                     "select_s_per_value": select, "pair_s": pair, "pass_s_per_value": pas,
+                     "link_overhead": overhead},
+          "rows": out, "held_out_max_abs_error": max(held) if held else None,
+          "held_out_median_abs_error": float(np.median(held)) if held else None,
+          "held_out_within_25": int(sum(h <= 0.25 for h in held)), "held_out_rows": len(held)}
+
+
+PROJECTED_CLUSTERS = (("paper: 16 x 8 V100, 25 Gbit/s", "v100", 25.0),
+                      ("current: 16 x 8 H100, 25 Gbit/s", "h100", 25.0),
+                      ("current: 16 x 8 H100, 100 Gbit/s", "h100", 100.0))
+
+
+def steps_ratios(tta: dict[str, Any]) -> dict[str, float]:
+  """Steps to the target of each system over dense's (medians over seeds) in the study."""
+  med = {}
+  for system, e in tta.get("analysis", {}).items():
+    steps = [s["steps_to_target"] for s in e["seeds"] if s["steps_to_target"] is not None]
+    if steps:
+      med[system] = float(np.median(steps))
+  return {s: v / med["dense"] for s, v in med.items()} if "dense" in med else {}
+
+
+def project_tta(tta: dict[str, Any], batch_per_gpu: int) -> dict[str, Any]:
+  """Time to accuracy of the DAWNBench recipe on the paper's and a current cluster: the
+  recipe's iterations (stretched by the study's steps-to-target ratio of the matching system)
+  times the projected iteration time."""
+  ratios = steps_ratios(tta)
+  rows = []
+  for name, gpu, link in PROJECTED_CLUSTERS:
+    dense = dawnbench_seconds("dense", batch_per_gpu, gpu, link)
+    for alg in PROJECTED:
+      scale = ratios.get(alg, 1.0)
+      t = dawnbench_seconds(alg, batch_per_gpu, gpu, link, scale)
+      rows.append({"cluster": name, "algorithm": alg, "steps_ratio": scale, "seconds": t,
+                   "vs_dense": dense / t,
+                   "exchange_over_compute": iteration("dense", 16, batch_per_gpu, 128, gpu,
+                                                      link)["comm_s"]
+                   / iteration("dense", 16, batch_per_gpu, 128, gpu, link)["compute_s"]})
+  return {"rows": rows, "steps_ratios": ratios}
+
+
+def tta_table(cal: dict[str, Any], proj: dict[str, Any]) -> str:
+  p = cal["params"]
+  lines = ["", "### 3. The link-bound time-to-accuracy runs (time_to_accuracy.json)", "",
+           f"Step = compute ({cal['compute_s'] * 1e3:.1f} ms, the parity phase) + the exchange "
+           f"of {cal['n']:,} values. Fitted to the {cal['fitted']} rows: "
+           f"{p['call_s'] * 1e3:.2f} ms per collective, gloo {p['net_Bps'] / 1e6:.0f} MB/s, "
+           f"{p['intra_Bps'] / 1e9:.2f} GB/s between a process's devices, select "
+           f"{p['select_s_per_value'] * 1e9:.2f} ns/value, {p['pair_s'] * 1e9:.1f} ns/pair, "
+           f"pass {p['pass_s_per_value'] * 1e9:.2f} ns/value; link overhead "
+           f"{p['link_overhead']:.3f} (interface bytes / ring payload, dense rows).", "",
+           "| system | bandwidth | density | measured ms | predicted ms | error | link MB "
+           "measured / model | held out |", "|---|---|---:|---:|---:|---:|---:|---|"]
+  for r in sorted(cal["rows"], key=lambda r: (r["system"], r["rate_bps"] or 1e18, r["density"])):
+    lines.append(f"| {r['system']} | {r['bandwidth']} | {r['density']:g} | "
+                 f"{r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
+                 f"{100 * r['error']:+.0f}% | {r['link_bytes'] / 1e6:.2f} / "
+                 f"{r['link_bytes_model'] / 1e6:.2f} | {'yes' if r['held_out'] else 'fit'} |")
+  if cal["held_out_rows"]:
+    lines += ["", f"Held-out rows: {cal['held_out_within_25']} of {cal['held_out_rows']} within "
+              f"25%, median |error| {100 * cal['held_out_median_abs_error']:.0f}%, max "
+              f"{100 * cal['held_out_max_abs_error']:.0f}%."]
+  lines += ["", "Projected time to accuracy, DAWNBench recipe (28 epochs of ResNet-50 at 128/224/"
+            "288 px, 256 images/GPU), training only; sparse runs stretched by the study's "
+            "steps-to-target ratio (" + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                  proj["steps_ratios"].items()) + "):", "",
+            "| cluster | dense exchange / compute at 128 px | " + " | ".join(PROJECTED) + " |",
+            "|---|---:|" + "---:|" * len(PROJECTED)]
+  for name, _, _ in PROJECTED_CLUSTERS:
+    by = {r["algorithm"]: r for r in proj["rows"] if r["cluster"] == name}
+    ratio = by["dense"]["exchange_over_compute"]
+    lines.append(f"| {name} | {ratio:.2f} | " + " | ".join(
+        f"{by[a]['seconds']:.0f} s ({by[a]['vs_dense']:.2f}x)" for a in PROJECTED) + " |")
+  lines += ["", "| input | value | source |", "|---|---|---|"]
+  for k, (v, src) in GPU_SOURCES.items():
+    lines.append(f"| {k} | {v if isinstance(v, tuple) else f'{v:.4g}'} | {src} |")
+  return "\n".join(lines)
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -414,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--comm", default=os.path.join(HERE, "results", "bench_comm.json"))
   p.add_argument("--topk", default=os.path.join(HERE, "results", "bench_topk.json"))
+  p.add_argument("--tta", default=os.path.join(HERE, "results", "time_to_accuracy.json"),
+                 help="the time-to-accuracy study's results (section 3; skipped if absent)")
   p.add_argument("--batch-per-gpu", type=int, default=256)
   p.add_argument("--out", default=os.path.join(HERE, "results", "scaling_model.json"))
   args = p.parse_args(argv)
@@ -428,9 +631,18 @@ def main(argv: list[str] | None = None) -> int:
   cal_rate = calibrate(comm["results"], topk, "rate")
   proj = project(args.batch_per_gpu)
   text = table(cal, proj, args.batch_per_gpu, cal_rate)
+  tta_cal = tta_proj = None
+  if os.path.exists(args.tta):
+    tta = json.load(open(args.tta))
+    tta_cal = calibrate_tta(tta, tta_model_size(tta))
+    tta_proj = project_tta(tta, args.batch_per_gpu)
+    text += "\n" + tta_table(tta_cal, tta_proj)
+  else:
+    print(f"{args.tta} does not exist: no section 3 (run experiments/time_to_accuracy.py)")
   payload = {"command": " ".join(["python experiments/scaling_model.py", *(argv or sys.argv[1:])]),
              "comm_source": os.path.relpath(args.comm, os.path.dirname(HERE)),
              "calibration": cal, "calibration_rate_split": cal_rate, "projection": proj,
+             "time_to_accuracy_calibration": tta_cal, "time_to_accuracy_projection": tta_proj,
              "batch_per_gpu": args.batch_per_gpu,
              "sources": {k: {"value": v, "source": s} for k, (v, s) in SOURCES.items()}}
   md = write_results(args.out, payload, text)

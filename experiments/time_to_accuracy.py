@@ -167,9 +167,14 @@ class JaxRun:
     return evaluate(self.trainer, self.eval_fn, self.state, self.data, None)
 
   def set_step(self, step: int) -> None:
-    """Moves the step counter (the density and learning-rate schedules follow it)."""
-    s = self.state.step
-    self.state = self.state._replace(step=self.jax.device_put(np.int32(step), s.sharding))
+    """Moves the step counters: the train state's (learning rate) and every worker's
+    compression state's (the density schedule)."""
+    def put(old):
+      value = np.full(old.shape, step, np.int32)
+      return self.jax.make_array_from_callback(old.shape, old.sharding, lambda i: value[i])
+    comm = self.state.comm_state
+    self.state = self.state._replace(step=put(self.state.step),
+                                     comm_state=comm._replace(count=put(comm.count)))
 
 
 class TorchRun:

@@ -47,6 +47,10 @@ def test_quick_run_trains_every_system_sweeps_and_tears_down(tmp_path):
   sparse_bytes = [r["node0_link_bytes_per_step"] for r in got["sweep"]
                   if r["system"] == "hitopk-0.01" and r["density"] == 0.01]
   assert min(dense_bytes) > 5 * max(sparse_bytes)  # the sparse exchange sends far less
+  # each warm-up level really runs at its density: more bytes the higher it is
+  by_level = {r["density"]: r["node0_link_bytes_per_step"] for r in got["sweep"]
+              if r["system"] == "hitopk-0.01" and r["bandwidth"] == "200mbit"}
+  assert max(by_level) > 0.01 and by_level[max(by_level)] > 3 * by_level[0.01]
   assert got["parity"][0]["jax"]["step_s"] > 0 and got["parity"][0]["torch"]["step_s"] > 0
   assert set(got["analysis"]) == {"dense", "hitopk-0.01", "torch-ddp"}
   md = out.with_suffix(".md").read_text()
