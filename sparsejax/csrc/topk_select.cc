@@ -152,21 +152,37 @@ uint32_t SampleThreshold(Keys& keys, int64_t n, int64_t k, int64_t stride) {
   return sample[rank];
 }
 
-// Finds the remaining digits (from `level` on) among the buffered keys, then writes the
-// selection: every key above the k-th largest, then `need` keys equal to it, in buffer order.
-void FinishFromBuffer(const std::vector<uint32_t>& ckey, const std::vector<int32_t>& cidx,
-                      int level, uint32_t prefix, int64_t need, int32_t* idx_out) {
+// Candidate (key, index) pairs, in index order, possibly in several pieces (one per thread).
+struct Pieces {
+  std::vector<const uint32_t*> key;
+  std::vector<const int32_t*> idx;
+  std::vector<int64_t> size;
+  template <typename Fn>
+  void ForEachKey(Fn fn) const {
+    for (size_t p = 0; p < size.size(); ++p) {
+      for (int64_t i = 0; i < size[p]; ++i) fn(key[p][i]);
+    }
+  }
+};
+
+// Finds the remaining digits (from `level` on) among the candidates, then writes the selection:
+// every key above the k-th largest, then `need` keys equal to it, in candidate (index) order.
+void FinishFromBuffer(const Pieces& c, int level, uint32_t prefix, int64_t need,
+                      int32_t* idx_out) {
   for (; level < kLevels; ++level) {
     std::vector<int64_t> merged(1 << kBits[level], 0);
-    for (uint32_t key : ckey) {
+    c.ForEachKey([&](uint32_t key) {
       if (InChain(key, level, prefix)) ++merged[Digit(key, level)];
-    }
+    });
     prefix = (prefix << kBits[level]) | static_cast<uint32_t>(Choose(merged, &need));
   }
   const uint32_t kth = prefix;
   int64_t j = 0, ties = 0;
-  for (size_t i = 0; i < ckey.size(); ++i) {
-    if (ckey[i] > kth || (ckey[i] == kth && ties++ < need)) idx_out[j++] = cidx[i];
+  for (size_t p = 0; p < c.size.size(); ++p) {
+    for (int64_t i = 0; i < c.size[p]; ++i) {
+      const uint32_t key = c.key[p][i];
+      if (key > kth || (key == kth && ties++ < need)) idx_out[j++] = c.idx[p][i];
+    }
   }
 }
 
@@ -195,29 +211,37 @@ void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, Firs
     std::vector<std::vector<int32_t>> tidx(threads);
     std::vector<int64_t> tcount(threads, 0);
     ParallelFor(pool, threads, [&](int64_t t) {
-      // Counting first would cost a second pass; grow per-thread lists instead (most blocks skip).
+      // Counting first would cost a second pass; grow per-thread lists instead. Blocks of 64:
+      // most hold no candidate and cost one vectorised max; the others append without branches.
+      constexpr int64_t kSmall = 64;
       const int64_t lo = bound(t), hi = bound(t + 1);
       std::vector<uint32_t>& key = tkey[t];
       std::vector<int32_t>& idx = tidx[t];
-      key.reserve(4 * k / threads + 1024);
-      idx.reserve(4 * k / threads + 1024);
-      uint32_t buf[kBlock];
-      for (int64_t b = lo; b < hi; b += kBlock) {
-        const int64_t m = std::min(kBlock, hi - b);
+      key.resize(4 * k / threads + 1024);
+      idx.resize(key.size());
+      int64_t o = 0;
+      uint32_t buf[kSmall];
+      for (int64_t b = lo; b < hi; b += kSmall) {
+        const int64_t m = std::min(kSmall, hi - b);
         if (first(b, m, buf) < guess) continue;
-        for (int64_t j = 0; j < m; ++j) {
-          if (buf[j] >= guess) {
-            key.push_back(buf[j]);
-            idx.push_back(static_cast<int32_t>(b + j));
+        if (o + kSmall > static_cast<int64_t>(key.size())) {
+          if (o > cap) {  // far too many: stop copying, finish the pass (it may write)
+            tcount[t] = -1;
+            for (b += kSmall; b < hi; b += kSmall) first(b, std::min(kSmall, hi - b), buf);
+            return;
           }
+          key.resize(2 * key.size());
+          idx.resize(key.size());
         }
-        if (static_cast<int64_t>(key.size()) > cap) {  // far too many: stop copying, count
-          tcount[t] = -1;
-          for (b += kBlock; b < hi; b += kBlock) first(b, std::min(kBlock, hi - b), buf);
-          return;
+        uint32_t* kp = key.data();
+        int32_t* ip = idx.data();
+        for (int64_t j = 0; j < m; ++j) {
+          kp[o] = buf[j];
+          ip[o] = static_cast<int32_t>(b + j);
+          o += buf[j] >= guess ? 1 : 0;
         }
       }
-      tcount[t] = static_cast<int64_t>(key.size());
+      tcount[t] = o;
     });
     first_done = true;
     int64_t count = 0;
@@ -227,13 +251,13 @@ void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, Firs
       count += tcount[t];
     }
     if (!overflow && count >= k && count <= cap) {
-      ckey.reserve(count);
-      cidx.reserve(count);
+      Pieces c;
       for (int64_t t = 0; t < threads; ++t) {
-        ckey.insert(ckey.end(), tkey[t].begin(), tkey[t].end());
-        cidx.insert(cidx.end(), tidx[t].begin(), tidx[t].end());
+        c.key.push_back(tkey[t].data());
+        c.idx.push_back(tidx[t].data());
+        c.size.push_back(tcount[t]);
       }
-      FinishFromBuffer(ckey, cidx, 0, 0, k, idx_out);
+      FinishFromBuffer(c, 0, 0, k, idx_out);
       return;
     }
   }
@@ -280,7 +304,11 @@ void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, Firs
         CompactRange(keys, bound(t), bound(t + 1), prefix << kShift[level], ckey.data(),
                      cidx.data(), &o);
       });
-      FinishFromBuffer(ckey, cidx, level + 1, prefix, need, idx_out);
+      Pieces c;
+      c.key.push_back(ckey.data());
+      c.idx.push_back(cidx.data());
+      c.size.push_back(count);
+      FinishFromBuffer(c, level + 1, prefix, need, idx_out);
       return;
     }
   }
