@@ -188,8 +188,8 @@ def make_table(procs: list[dict], methods: list[str]) -> str:
   lines = [f"{first['backend']} ({first['device']}), jax {first['jax']}; min-median-max over "
            f"{len(procs)} processes of each process's median", "",
            "| n | input | density | floor ms | mstopk ms | mstopk vs lax.top_k | mstopk x floor | "
-           "recall (min) | " + " | ".join(f"{m} vs lax.top_k" for m in methods
-                                          if m not in ("mstopk", "exact_topk")) + " |",
+           "recall (min) |" + "".join(f" {m} vs lax.top_k |" for m in methods
+                                      if m not in ("mstopk", "exact_topk")),
            "|---|---|---|---|---|---|---|---|" + "---|" * (len(methods) - 2)]
   for i, r in enumerate(first["results"]):
     rs = [p["results"][i] for p in procs]
@@ -207,7 +207,8 @@ def make_table(procs: list[dict], methods: list[str]) -> str:
         f"{spread([x['methods']['mstopk']['median_s'] * 1e3 for x in rs], '.1f')} | "
         f"{col('mstopk', 'speedup_vs_lax_top_k', '.1f')}x | "
         f"{col('mstopk', 'ratio_to_floor', '.1f')} | "
-        f"{min(x['methods']['mstopk']['recall'] for x in rs):.4f} | " + " | ".join(others) + " |")
+        f"{min(x['methods']['mstopk']['recall'] for x in rs):.4f} |"
+        + "".join(f" {o} |" for o in others))
   if "compaction" in first:
     c = first["compaction"]
     lines += ["", f"Compaction at n={c['n']:,}, k={c['k']:,} (threshold known; first process):",
