@@ -23,7 +23,10 @@ loopback). For a gradient of ResNet-50 size (25,557,032 float32) and of Transfor
 
 `--local`: no cluster. The same JAX exchanges in one process on 4 CPU devices (the 2 x 2 mesh),
 their collectives copies in memory: what the exchanges cost this machine's 2 cores when 4 workers
-share them, without gloo or a link (the split the scaling model's check needs).
+share them, without gloo or a link (the split the scaling model's check needs). With `--parts`,
+each sparse exchange is also set against its parts timed alone on the same mesh (MSTopK on the
+whole buffer for TopK all-gather; MSTopK on a shard plus the two dense intra-node phases for
+HiTopKComm); `--procs P` repeats it all in P separate processes (min-median-max of the ratios).
 
 Every call is timed after a barrier: median and quartiles over `--reps` calls after a warm-up.
 Bytes on the inter-node link: node 0's egress counted by tc during the timed calls. The bound is
@@ -112,6 +115,23 @@ def exchange_algorithms(n: int, per_node: int) -> dict:
   return algos
 
 
+def reference_parts(n: int, per_node: int) -> dict:
+  """name -> (fn, input length): the parts of the sparse exchanges measured alone (--local), on
+  the same mesh: MSTopK on the whole per-worker buffer (TopK all-gather's selection), MSTopK on
+  a shard of n / per_node (HiTopKComm's), and HiTopKComm's two dense intra-node phases."""
+  from jax import lax
+
+  from sparsejax import topk
+  parts = {"dense-phases": (lambda v: lax.all_gather(
+      lax.psum_scatter(v, "local", scatter_dimension=0, tiled=True), "local", axis=0,
+      tiled=True), n)}
+  for d in DENSITIES:
+    k_all, k_shard = max(1, round(d * n)), max(1, round(d * n / per_node))
+    parts[f"select-{d}"] = (lambda v, k=k_all: topk.mstopk(v, k)[0], n)
+    parts[f"select-shard-{d}"] = (lambda v, k=k_shard: topk.mstopk(v, k)[0], n // per_node)
+  return parts
+
+
 def run_jax(args, rank: int, measure_link: bool) -> list[dict]:
   """Times every exchange on every size over this process's view of the 2-node mesh."""
   import jax
@@ -132,8 +152,15 @@ def run_jax(args, rank: int, measure_link: bool) -> list[dict]:
     n = SIZES[size_name]
     n -= n % per_node
     mine = np.random.default_rng(rank).standard_normal(jax.local_device_count() * n)
-    x = jax.make_array_from_process_local_data(spec, mine.astype(np.float32))
-    for name, fn in exchange_algorithms(n, per_node).items():
+    inputs = {n: jax.make_array_from_process_local_data(spec, mine.astype(np.float32))}
+    tests = {name: (fn, n) for name, fn in exchange_algorithms(n, per_node).items()}
+    if getattr(args, "parts", False):
+      tests.update(reference_parts(n, per_node))
+    for name, (fn, length) in tests.items():
+      if length not in inputs:  # a shard-sized buffer: the first values of each worker's
+        part = mine.reshape(jax.local_device_count(), n)[:, :length].reshape(-1)
+        inputs[length] = jax.make_array_from_process_local_data(spec, part.astype(np.float32))
+      x = inputs[length]
       f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(WORKERS), out_specs=P(WORKERS),
                                 check_vma=False))
       jax.block_until_ready(f(x))  # compile + warm-up
@@ -276,6 +303,11 @@ def main(argv=None) -> int:
                   help="no cluster: the JAX exchanges in one process on 4 CPU devices (their CPU "
                        "work without gloo or a link; no root needed); default --out "
                        "experiments/results/bench_comm_local.json")
+  ap.add_argument("--procs", type=int, default=1,
+                  help="--local: separate processes, each timing everything")
+  ap.add_argument("--parts", action="store_true",
+                  help="--local: also time each sparse exchange's parts alone (MSTopK on the "
+                       "buffer, on a shard, the dense intra-node phases) and report the ratios")
   ap.add_argument("--mode", choices=("driver", "jax", "torch", "local"), default="driver",
                   help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -295,8 +327,8 @@ def main(argv=None) -> int:
   for s in args.sizes.split(","):
     if s not in SIZES:
       ap.error(f"unknown size {s!r}; allowed: {sorted(SIZES)}")
-  if args.reps < 1:
-    ap.error(f"--reps must be >= 1, got {args.reps}")
+  if args.reps < 1 or args.procs < 1:
+    ap.error(f"--reps and --procs must be >= 1, got {args.reps} and {args.procs}")
   args.out = args.out or os.path.join(
       HERE, "results", "bench_comm_local.json" if args.local else "bench_comm.json")
   if args.local:
@@ -306,9 +338,14 @@ def main(argv=None) -> int:
     rows = run_emulated(args)
     layout = None
   table = make_table(rows)
+  if args.local and args.parts:
+    table += ("\n\nEach exchange against its parts measured alone in the same process "
+              f"({args.procs} processes):\n\n" + local_ratio_table(rows))
   print(table)
   meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "nodes": NODES,
           "jax_procs_per_node": None if args.local else args.procs_per_node, "reps": args.reps,
+          "local_processes": args.procs if args.local else None,
+          "date": time.strftime("%Y-%m-%d %H:%M"),
           "layout": layout,
           "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, table)
@@ -319,22 +356,48 @@ def main(argv=None) -> int:
 
 def run_local(args) -> list[dict]:
   """`--local`: the JAX exchanges in a child process with NODES x PROCS CPU devices."""
-  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-    path = f.name
-  try:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={NODES * PROCS}"}
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", "local", "--reps",
-                    str(args.reps), "--sizes", args.sizes, "--worker-out", path], env=env,
-                   check=True)
-    with open(path) as f:
-      rows = json.load(f)
-  finally:
-    os.remove(path)
-  for r in rows:
-    r.update(rate="in-process", rate_bps=None, layout=f"1x{NODES * PROCS} devices",
-             link_bound_s=0.0)
+  rows = []
+  for proc in range(args.procs):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+      path = f.name
+    try:
+      env = {**os.environ, "JAX_PLATFORMS": "cpu",
+             "XLA_FLAGS": f"--xla_force_host_platform_device_count={NODES * PROCS}"}
+      subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", "local", "--reps",
+                      str(args.reps), "--sizes", args.sizes, "--worker-out", path,
+                      *(["--parts"] if args.parts else [])], env=env, check=True)
+      with open(path) as f:
+        mine = json.load(f)
+    finally:
+      os.remove(path)
+    for r in mine:
+      r.update(rate="in-process", rate_bps=None, layout=f"1x{NODES * PROCS} devices",
+               link_bound_s=0.0, proc=proc)
+    rows += mine
   return rows
+
+
+def local_ratio_table(rows: list[dict]) -> str:
+  """--local: each sparse exchange against its parts measured alone in the same process;
+  min-median-max over the processes."""
+  lines = ["| size | exchange | vs its parts alone (min-median-max) | parts |",
+           "|---|---|---:|---|"]
+  procs = sorted({r["proc"] for r in rows})
+  sizes = list(dict.fromkeys(r["size"] for r in rows))
+  for size in sizes:
+    for d in DENSITIES:
+      for algo, parts in ((f"allgather-{d}", [f"select-{d}"]),
+                          (f"hitopk-{d}", [f"select-shard-{d}", "dense-phases"])):
+        ratios = []
+        for p in procs:
+          t = {r["algorithm"]: r["median_s"] for r in rows if r["proc"] == p and r["size"] == size}
+          if algo in t and all(q in t for q in parts):
+            ratios.append(t[algo] / sum(t[q] for q in parts))
+        if ratios:
+          spread = "-".join(f"{v:.2f}" for v in (min(ratios), statistics.median(ratios),
+                                                  max(ratios)))
+          lines.append(f"| {size} | {algo} | {spread}x | {' + '.join(parts)} |")
+  return "\n".join(lines)
 
 
 def run_emulated(args) -> list[dict]:

@@ -4,8 +4,10 @@
 #   bash experiments/gpu_check.sh [OUT_DIR]      # default OUT_DIR: experiments/results/gpu
 #
 # Runs, from the repository root, with the jax/flax/optax already installed on the machine:
-#   1. bench_topk.py  MSTopK vs lax.top_k (and sampled top-k, approx_max_k) at 25,557,032 (ResNet-50)
-#                     and 110,000,000 (BERT-base) values, densities 0.01 and 0.001;
+#   1. bench_topk.py  MSTopK (on GPU: the XLA threshold search) and radix_topk (the XLA radix
+#                     select designed for GPUs) vs lax.top_k and one pass, at 25,557,032
+#                     (ResNet-50) and 110,000,000 (BERT-base) values, densities 0.01 and 0.001,
+#                     Gaussian, heavy-tailed and block-scaled inputs (one process);
 #   2. bench_optim.py the fused optimizers (SGD, LARS, LAMB, AdamW) vs optax on the ResNet-50 and
 #                     Transformer-base parameter trees, with the memory-traffic floor;
 #   3. bench_step.py  ResNet-50 bfloat16 training throughput (images/s, synthetic data, batch 256,
@@ -50,8 +52,8 @@ part() {  # part NAME LIMIT_S COMMAND...
 }
 
 : > "$out/status.txt"
-part topk 130 $py experiments/bench_topk.py --sizes 25557032,110000000 --runs 5 \
-  --out "$out/topk.json"
+part topk 150 $py experiments/bench_topk.py --sizes 25557032,110000000 --runs 5 --procs 1 \
+  --methods mstopk,radix,exact_topk --out "$out/topk.json"
 part optim 170 $py experiments/bench_optim.py --runs 5 --out "$out/optim.json"
 part step 150 $py experiments/bench_step.py --batch 256 --size 224 --dtype bfloat16 \
   --warmup 2 --steps 15 --out "$out/step.json"

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
@@ -111,12 +112,18 @@ def _feedback_select(x: jax.Array, residual, k: int, select, momentum: float, ne
   if isinstance(residual, Corrected):
     dtype = residual.residual.dtype
     velocity = momentum * residual.velocity + x.astype(dtype)
-    acc = residual.residual + (x.astype(dtype) + momentum * velocity if nesterov else velocity)
+    # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
+    # kernel (topk.select_feedback).
+    term = x.astype(dtype) + momentum * velocity if nesterov else velocity
+    values, indices, new_residual = topk_lib.select_feedback(select, term, residual.residual, k)
+  elif residual is None:
+    velocity = None
+    values, indices = topk_lib.get_selector(select)(x, k)
+    new_residual = x.at[indices].set(0, unique_indices=True)
   else:
     velocity = None
-    acc = x if residual is None else x.astype(residual.dtype) + residual
-  values, indices = topk_lib.get_selector(select)(acc, k)
-  new_residual = acc.at[indices].set(0, unique_indices=True)
+    values, indices, new_residual = topk_lib.select_feedback(select, x.astype(residual.dtype),
+                                                             residual, k)
   if velocity is not None:
     if masking:
       velocity = velocity.at[indices].set(0, unique_indices=True)
@@ -128,7 +135,15 @@ def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
   all_v = lax.all_gather(values, axes, axis=0, tiled=True)
   all_i = lax.all_gather(indices, axes, axis=0, tiled=True)
-  return jnp.zeros(n, values.dtype).at[all_i].add(all_v)
+
+  def xla(all_v, all_i):
+    return jnp.zeros(n, values.dtype).at[all_i].add(all_v)
+
+  if values.dtype == jnp.float32 and cpu_kernels.enabled():
+    # On CPU one kernel: the zeros and the adds, in the order gathered (as XLA's scatter).
+    return lax.platform_dependent(all_v, all_i, default=xla,
+                                  cpu=lambda v, i: cpu_kernels.scatter_add(v, i, n))
+  return xla(all_v, all_i)
 
 
 def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],

@@ -5,9 +5,10 @@ read the big buffers twice from memory (norms, then update) and the Adam family 
 multi-output fusion. `csrc/fused_update.cc` walks the flat buffer segment by segment (one segment
 per parameter tensor; or the leaves themselves, for the pytree face) and does the whole update of
 a segment at once: the norms, then the update while the segment is still in cache, on XLA's own
-intra-op thread pool.
+intra-op thread pool. `csrc/topk_select.cc` holds the top-k selection kernels (`topk`,
+`topk_feedback`, `scatter_add`, used by `sparsejax.topk` and `sparsejax.comm` on CPU).
 
-The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`/`g++`) into
+The sources are compiled on first use with the system C++ compiler (`$CXX`, else `c++`/`g++`) into
 `$SPARSEJAX_CACHE_DIR` (default `~/.cache/sparsejax`), keyed by a hash of the source, the flags,
 the jaxlib version and the CPU, and written atomically (a crash leaves no half-written library).
 Without a compiler, or with `SPARSEJAX_CPU_KERNELS=0`, `available()` is False and `sparsejax.optim`
@@ -36,13 +37,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["available", "disabled", "enabled", "library_path", "update", "why_unavailable"]
+__all__ = ["available", "disabled", "enabled", "library_path", "scatter_add", "topk",
+           "topk_feedback", "update", "why_unavailable"]
 
-_SOURCE = "fused_update.cc"
+_SOURCES = ("fused_update.cc", "topk_select.cc")  # compiled together into one library
+_HEADERS = ("parallel.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC", "-Wno-attributes", "-Wno-return-type")
 _TARGETS = {"sgd": "SparsejaxFusedSgd", "lars": "SparsejaxFusedLars",
             "adamw": "SparsejaxFusedAdamw", "lamb": "SparsejaxFusedLamb"}
+# The selection kernels of csrc/topk_select.cc: FFI target name -> symbol.
+_SELECT_TARGETS = {"sparsejax_topk": "SparsejaxTopK",
+                   "sparsejax_topk_feedback": "SparsejaxTopKFeedback",
+                   "sparsejax_scatter_add": "SparsejaxScatterAdd"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -68,11 +75,12 @@ def _compiler() -> str | None:
 
 def _build(cxx: str) -> str:
   """Compiles the source (once per source/flags/jaxlib/CPU) and returns the library's path."""
-  source = resources.files("sparsejax").joinpath("csrc", _SOURCE).read_bytes()
+  csrc = resources.files("sparsejax").joinpath("csrc")
+  files = {name: csrc.joinpath(name).read_bytes() for name in (*_SOURCES, *_HEADERS)}
   include = jax.ffi.include_dir()
   key = hashlib.sha256(b"\0".join([
-      source, " ".join(_FLAGS).encode(), metadata.version("jaxlib").encode(), _cpu_model().encode(),
-      cxx.encode()])).hexdigest()[:16]
+      *files.values(), " ".join(_FLAGS).encode(), metadata.version("jaxlib").encode(),
+      _cpu_model().encode(), cxx.encode()])).hexdigest()[:16]
   cache = os.environ.get("SPARSEJAX_CACHE_DIR") or os.path.join(
       os.path.expanduser("~"), ".cache", "sparsejax")
   path = os.path.join(cache, f"fused_update-{key}.so")
@@ -83,20 +91,21 @@ def _build(cxx: str) -> str:
   with open(os.path.join(cache, "fused_update.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not os.path.exists(path):
-      _compile(cxx, source, include, cache, path)
+      _compile(cxx, files, include, cache, path)
   return path
 
 
-def _compile(cxx: str, source: bytes, include: str, cache: str, path: str) -> None:
+def _compile(cxx: str, files: dict[str, bytes], include: str, cache: str, path: str) -> None:
   with tempfile.TemporaryDirectory(dir=cache) as tmp:
-    src = os.path.join(tmp, _SOURCE)
-    with open(src, "wb") as f:
-      f.write(source)
+    for name, text in files.items():
+      with open(os.path.join(tmp, name), "wb") as f:
+        f.write(text)
     out = os.path.join(tmp, "lib.so")
-    proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", src, "-o", out],
+    srcs = [os.path.join(tmp, name) for name in _SOURCES]
+    proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", f"-I{tmp}", *srcs, "-o", out],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-      raise RuntimeError(f"{cxx} failed on {_SOURCE}:\n{proc.stderr[:2000]}")
+      raise RuntimeError(f"{cxx} failed on {', '.join(_SOURCES)}:\n{proc.stderr[:2000]}")
     os.replace(out, path)  # atomic: a crash never leaves a half-written library under `path`
 
 
@@ -118,6 +127,9 @@ def available() -> bool:
       for name, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(f"sparsejax_fused_{name}",
                                     jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+      for target, symbol in _SELECT_TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA path, and say why
       _state["why"] = f"{type(e).__name__}: {e}"
       warnings.warn(f"sparsejax: CPU fused-update kernels unavailable, using the XLA path "
@@ -189,3 +201,43 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
       scalars, *state, *grads, *(params or ()), starts=starts, decay=decay, flags=flags,
       flat=bool(flat), **attrs)
   return tuple(res[:k]), list(res[k:])
+
+
+def _like(x, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+  """A result of `shape` and `dtype` varying over the same manual mesh axes as `x` (inside
+  shard_map, as XLA ops computing it from `x` would be)."""
+  aval = jax.typeof(x)
+  if aval.manual_axis_type.empty:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=aval.sharding,
+                              manual_axis_type=aval.manual_axis_type)
+
+
+def topk(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k by |x| of a 1-D float32/bfloat16/float16 array (`csrc/topk_select.cc`).
+
+  Returns `(x[idx], idx)` with idx int32[k] increasing; ties at the k-th magnitude go to the lowest
+  indices. CPU only: call it where `enabled()` and the computation runs on CPU.
+  """
+  out = (_like(x, (k,), x.dtype), _like(x, (k,), jnp.int32))
+  return jax.ffi.ffi_call("sparsejax_topk", out, vmap_method="sequential")(x)
+
+
+def topk_feedback(x: jax.Array, residual: jax.Array,
+                  k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Error-feedback selection in one kernel: acc = x + residual (float32[n] each), its exact
+  top-k by |acc| as `topk`, and acc with the selected entries zeroed (written over `residual`
+  when XLA can reuse its buffer). Returns `(values, indices, new_residual)`."""
+  n = x.shape[0]
+  like = x + residual  # only its type is used (the mesh axes it varies over); XLA drops it
+  out = (_like(like, (k,), jnp.float32), _like(like, (k,), jnp.int32),
+         _like(like, (n,), jnp.float32))
+  return jax.ffi.ffi_call("sparsejax_topk_feedback", out, input_output_aliases={1: 2},
+                          vmap_method="sequential")(x, residual)
+
+
+def scatter_add(values: jax.Array, indices: jax.Array, n: int) -> jax.Array:
+  """float32[n]: zeros with `values` (float32[m]) added at `indices` (int32[m]) in order;
+  indices outside [0, n) are dropped (as XLA's scatter does)."""
+  out = _like(values + indices.astype(values.dtype), (n,), jnp.float32)  # type only, as above
+  return jax.ffi.ffi_call("sparsejax_scatter_add", out, vmap_method="sequential")(values, indices)

@@ -4,12 +4,22 @@ Every selector returns exactly `k` `(values, indices)` with `values == x[indices
 indices, static shapes; all work under `jit` and `vmap` for float32, bfloat16 and float16. Inputs
 must be finite (the compression transform checks that before selecting).
 
-How it is fast on XLA's CPU backend (measured, see `experiments/bench_topk.py`): a fused reduction
-over the whole array costs about one memory pass, but anything that materialises an array of the
-input's size (a mask, `abs(x)`, a slice, a cumsum) costs 6-10 passes. So the threshold search never
-touches the full array: one pass computes the maximum |x| of each block of `block` elements, the
-search runs on those block maxima, the (few) blocks that can hold a top-k element are gathered, and
-the paper's threshold search and compaction run on that small candidate set only.
+`mstopk` has three implementations (`method=`), all returning exactly k distinct indices:
+  - on CPU, where `sparsejax.cpu_kernels` are available ("auto" there): an exact radix select in
+    C++ (`csrc/topk_select.cc`), about one pass over memory: a threshold from a 1/512 sample, one
+    pass copying the keys above it, the exact k-th magnitude found digit by digit on those alone
+    (with histogram passes over the whole array for inputs the sample misjudges). Recall 1; ties
+    go to the lowest indices;
+  - "radix": the same radix select in XLA, built for GPUs (fixed passes, no data-dependent
+    loop): one pass of block maxima, the exact k-th largest block maximum by three digit
+    histograms, a gather of the blocks that reach it, and the radix select and a one-pass
+    compaction on those; the whole array radix-selected where ties leave too many blocks;
+  - "search" (the default elsewhere): the paper's threshold search in XLA. On XLA's CPU backend a
+    fused reduction over the whole array costs about one memory pass, but anything that
+    materialises an array of the input's size (a mask, `abs(x)`, a slice, a cumsum) costs 6-10
+    passes. So the search never touches the full array: one pass computes the maximum |x| of each
+    block of `block` elements, the search runs on those block maxima, the (few) blocks that can
+    hold a top-k element are gathered, and the search and compaction run on those only.
 """
 
 from __future__ import annotations
@@ -21,7 +31,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["mstopk", "exact_topk", "sampled_topk", "SELECTORS", "get_selector", "check_k"]
+from sparsejax import cpu_kernels
+
+__all__ = ["mstopk", "exact_topk", "sampled_topk", "radix_topk", "select_feedback", "METHODS",
+           "SELECTORS", "get_selector", "check_k"]
+
+METHODS = ("auto", "search", "radix")
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 Selector = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
 
@@ -172,8 +188,13 @@ def exact_topk(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def mstopk(x: jax.Array, k: int, *, num_iters: int = 30, block: int | None = None,
-           tolerance: float = 1e-3) -> tuple[jax.Array, jax.Array]:
-  """MSTopK (Shi et al., 2021): sort-free top-k by a bisection search for the threshold.
+           tolerance: float = 1e-3, method: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """MSTopK (Shi et al., 2021): sort-free top-k by a search for the threshold.
+
+  `method`: "auto" runs the C++ radix select on CPU where `sparsejax.cpu_kernels` are available
+  (exact: recall 1, indices increasing, ties to the lowest indices) and "search" elsewhere;
+  "radix" is the XLA radix select (`radix_topk`, the design for GPUs); "search" is the paper's
+  threshold search below, which `num_iters` and `tolerance` control.
 
   Searches thresholds between mean(|x|) and max(|x|), keeping the best `lo` with count(|x| > lo)
   >= k and the best `hi` with count(|x| > hi) <= k; takes every element above `hi` and fills the
@@ -192,6 +213,7 @@ def mstopk(x: jax.Array, k: int, *, num_iters: int = 30, block: int | None = Non
     num_iters: maximum bisection probes in each search phase.
     block: block size for the candidate filter; default balances both phases (1 = no filter).
     tolerance: fraction of k allowed to come from the band's arbitrary fill.
+    method: "auto", "search" or "radix" (see above).
 
   Returns:
     `(values, indices)`: `values = x[indices]` (x's dtype), `indices` int32[k], distinct.
@@ -201,6 +223,8 @@ def mstopk(x: jax.Array, k: int, *, num_iters: int = 30, block: int | None = Non
     >>> values, indices = mstopk(x, 100)
   """
   n, k = check_k(x, k)
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if num_iters < 1:
     raise ValueError(f"num_iters must be >= 1, got {num_iters}")
   if not 0 <= tolerance < 1:
@@ -209,7 +233,25 @@ def mstopk(x: jax.Array, k: int, *, num_iters: int = 30, block: int | None = Non
   if block < 1:
     raise ValueError(f"block must be >= 1, got {block}")
   tol = int(tolerance * k)
+  if method == "radix":
+    return radix_topk(x, k, block=block)
 
+  def search(x):
+    return _search_topk(x, k, num_iters=num_iters, block=block, tol=tol)
+
+  if method == "auto" and _kernel_ok(x):
+    return lax.platform_dependent(x, cpu=lambda x: cpu_kernels.topk(x, k), default=search)
+  return search(x)
+
+
+def _kernel_ok(x: jax.Array) -> bool:
+  """Whether the C++ selection can take `x` (when the computation runs on CPU)."""
+  return (cpu_kernels.enabled() and x.dtype in _KERNEL_DTYPES and x.shape[0] < 2**31)
+
+
+def _search_topk(x: jax.Array, k: int, *, num_iters: int, block: int, tol: int):
+  """MSTopK's threshold search on the XLA path (see `mstopk`)."""
+  n = x.shape[0]
   if block == 1 or n <= k * block * 2:
     a = jnp.abs(x).astype(jnp.float32)
     lo, c_lo = _initial_lower(a, k)
@@ -235,6 +277,131 @@ def mstopk(x: jax.Array, k: int, *, num_iters: int = 30, block: int | None = Non
 
   idx = lax.cond(c0 <= cap, fast, fallback, x)
   return x[idx], idx
+
+
+# ------------------------------------------------------------------------ radix select in XLA
+# The key of |v| is its float32 bit pattern with the sign cleared: for finite values, |a| < |b|
+# exactly when key(a) < key(b). Digits from the top: 11 bits (exponent and 3 mantissa bits), 10, 10.
+_DIGITS = ((20, 11), (10, 10), (0, 10))  # (lowest bit, bits)
+
+
+def _keys(x: jax.Array) -> jax.Array:
+  """int32 keys of |x| (non-negative, order-preserving); 16-bit floats left-aligned."""
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32)
+    return (bits & 0x7FFF) << 16
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return bits & 0x7FFFFFFF
+
+
+def _radix_kth(keys: jax.Array, valid: jax.Array | None, k: int):
+  """The k-th largest of the (valid) keys and how many keys equal to it belong to the top k.
+
+  One histogram per digit over the keys whose higher digits match the ones chosen so far (a
+  scatter-add into at most 2048 bins); the bucket holding the k-th largest is the highest one
+  whose count of keys at or above it reaches k. Returns `(kth, ties)`, int32 scalars.
+  """
+  prefix = keys[0] * 0  # a traced zero, varying like keys (shard_map)
+  need = prefix + k
+  for level, (shift, bits) in enumerate(_DIGITS):
+    bins = 1 << bits
+    digit = (keys >> shift) & (bins - 1)
+    member = (jnp.ones_like(keys, dtype=bool) if level == 0
+              else (keys >> (shift + bits)) == prefix)
+    if valid is not None:
+      member = member & valid
+    hist = jnp.zeros(bins, jnp.int32).at[digit].add(member.astype(jnp.int32))
+    at_or_above = jnp.cumsum(hist[::-1])[::-1]
+    chosen = jnp.sum(at_or_above >= need).astype(jnp.int32) - 1
+    need = need - (at_or_above[chosen] - hist[chosen])
+    prefix = (prefix << bits) | chosen
+  return prefix, need
+
+
+def _radix_compact(keys: jax.Array, valid: jax.Array | None, k: int) -> jax.Array:
+  """int32[k] increasing positions of the k largest keys, ties to the lowest positions."""
+  kth, ties = _radix_kth(keys, valid, k)
+  equal = keys == kth
+  if valid is not None:
+    equal = equal & valid
+  tie_rank = jnp.cumsum(equal.astype(jnp.int32))
+  take = (keys > kth) | (equal & (tie_rank <= ties))
+  if valid is not None:
+    take = take & valid
+  return _first_true(take, k)
+
+
+def radix_topk(x: jax.Array, k: int, *, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k by |x| as a radix select in XLA, the selection designed for GPUs.
+
+  A fixed sequence of passes, no data-dependent loop: the maximum key of each `block` elements
+  (one pass over x), the exact k-th largest block maximum t by three digit histograms over the
+  block maxima, a gather of the first `cap` blocks whose maximum reaches t (they hold every
+  element >= the k-th largest |x|, so every top-k element and every tie), then the radix select
+  and one cumsum compaction on those candidates. Where ties leave more than `cap` such blocks (all
+  zeros, say), the radix select runs on the whole array instead (`lax.cond`).
+
+  Args:
+    x: 1-D floating array of length n (finite values).
+    k: number of elements to select, 1 <= k <= n (static).
+    block: block size of the candidate filter; default `default_block(n, k)` (1 = no filter).
+
+  Returns:
+    `(values, indices)`: `values = x[indices]`, `indices` int32[k] increasing; exactly the k
+    largest |x|, ties at the k-th magnitude resolved to the lowest indices.
+  """
+  n, k = check_k(x, k)
+  block = default_block(n, k) if block is None else int(block)
+  if block < 1:
+    raise ValueError(f"block must be >= 1, got {block}")
+
+  def whole(x):
+    return _radix_compact(_keys(x), None, k)
+
+  if block == 1 or n <= k * block * 2:
+    idx = whole(x)
+    return x[idx], idx
+  nb = -(-n // block)
+  pad = nb * block - n
+  bkeys = _keys(x)
+  if pad:  # padding keys -1: below every real key
+    bkeys = jnp.concatenate([bkeys, jnp.full((pad,), -1, jnp.int32)])
+  bmax = jnp.max(bkeys.reshape(nb, block), axis=1)
+  cap = k + max(k // 8, 64)
+  t, _ = _radix_kth(bmax, None, k)
+  reach = bmax >= t
+
+  def gathered(x):
+    blocks = _first_true(reach, cap)  # past the last: nb (out of range)
+    pos = (blocks[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :]).reshape(-1)
+    valid = pos < n
+    keys = jnp.where(valid, _keys(x.at[pos].get(mode="fill", fill_value=0)), 0)
+    return pos[_radix_compact(keys, valid, k)]
+
+  idx = lax.cond(jnp.sum(reach) <= cap, gathered, whole, x)
+  return x[idx], idx
+
+
+def select_feedback(select: str | Selector, x: jax.Array, residual: jax.Array,
+                    k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Error-feedback selection: acc = x + residual, its top k, and acc with those zeroed.
+
+  With `mstopk` on CPU (float32 x and residual, C++ kernels available) one kernel does it all in
+  about one pass over memory (acc is written in the selection pass); otherwise `select(acc, k)`
+  and a scatter. Returns `(values, indices, new_residual)` with `values = acc[indices]`.
+  """
+  select = get_selector(select)
+
+  def generic(x, residual):
+    acc = x + residual
+    values, indices = select(acc, k)
+    return values, indices, acc.at[indices].set(0, unique_indices=True)
+
+  if (select is mstopk and _kernel_ok(x) and x.dtype == jnp.float32
+      and residual.dtype == jnp.float32):
+    return lax.platform_dependent(
+        x, residual, cpu=lambda x, r: cpu_kernels.topk_feedback(x, r, k), default=generic)
+  return generic(x, residual)
 
 
 def sampled_topk(x: jax.Array, k: int, *, sample_fraction: float = 0.01,
@@ -294,11 +461,12 @@ def sampled_topk(x: jax.Array, k: int, *, sample_fraction: float = 0.01,
   return x[idx], idx
 
 
-SELECTORS: dict[str, Selector] = {"mstopk": mstopk, "exact": exact_topk, "sampled": sampled_topk}
+SELECTORS: dict[str, Selector] = {"mstopk": mstopk, "exact": exact_topk, "sampled": sampled_topk,
+                                  "radix": radix_topk}
 
 
 def get_selector(name: str | Selector) -> Selector:
-  """A selector by name (`"mstopk" | "exact" | "sampled"`) or the callable itself."""
+  """A selector by name (`"mstopk" | "exact" | "sampled" | "radix"`) or the callable itself."""
   if callable(name):
     return name
   if name not in SELECTORS:
