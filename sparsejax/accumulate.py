@@ -7,7 +7,8 @@ k)` is the same transform, state and numbers (`optax.MultiStepsState`, the mean 
 gradients handed to `inner` on every k-th call, zero updates in between), but calls `inner.update`
 under `lax.cond`: the selection and the collectives run once per accumulated step. Every worker
 takes the same branch (the micro-step count is the same everywhere), so collectives inside
-`inner` stay matched under `shard_map` and `pmap`.
+`inner` stay matched under `shard_map` and `pmap` (under `shard_map` with `check_vma=False`, as
+for `topk_allreduce` itself; optax.MultiSteps needs it too).
 """
 
 from __future__ import annotations
