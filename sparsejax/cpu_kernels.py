@@ -176,7 +176,7 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
     flat: whether grads/params are the flat layout or the leaves.
     skip: a bool scalar, or None (False); where set, zero updates and the state left as it is.
       It goes to the kernel as its last traced scalar.
-    **attrs: the kernel's static attributes (bools: nesterov, decayed).
+    **attrs: the kernel's static attributes (bools: nesterov, decayed; lamb has none).
   The new state is written over the old and the updates over the gradient (aliased operands).
   """
   if name not in _TARGETS:

@@ -689,7 +689,7 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
         b1, b2, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
-        flat=flat, skip=skip, decayed=decayed)
+        flat=flat, skip=skip, decayed=decayed, nesterov=nesterov)
     return us, FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_adamw", init_state, update_flat, kernel, plan_for, layout,

@@ -21,7 +21,7 @@ import optax
 import pytest
 from jax import lax
 
-from sparsejax import optim
+from sparsejax import cpu_kernels, optim
 
 FUSED = {"sgd": optim.fused_sgd, "adamw": optim.fused_adamw, "lars": optim.fused_lars,
          "lamb": optim.fused_lamb}
@@ -215,6 +215,41 @@ def test_learning_rate_changed_through_the_state_acts_as_in_optax(name, face):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-8)
   assert not np.allclose(np.asarray(jax.tree.leaves(got[1])[0]),
                          np.asarray(jax.tree.leaves(got[0])[0]))  # the change did act
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_traced_hyperparameters_on_both_paths(name):
+  """Every numeric hyperparameter injected (traced): the C++ kernel and the XLA path (GPU, no
+  compiler) give the same updates, equal to optax's injected optimizer with the same values."""
+  params, grads = _inject_problem()
+  kwargs = {"sgd": {"learning_rate": 0.1, "momentum": 0.8, "weight_decay": 0.01},
+            "adamw": {"learning_rate": 0.1, "b1": 0.8, "b2": 0.9, "eps": 1e-6,
+                      "eps_root": 1e-9, "weight_decay": 0.05},
+            "lars": {"learning_rate": 0.5, "weight_decay": 0.01, "trust_coefficient": 0.02,
+                     "eps": 1e-6, "momentum": 0.8},
+            "lamb": {"learning_rate": 0.1, "b1": 0.8, "b2": 0.9, "eps": 1e-5,
+                     "weight_decay": 0.01}}[name]
+  reference = kwargs.copy()
+  if name == "sgd":  # fused_sgd's weight decay is optax's add_decayed_weights in front of sgd
+    wd = reference.pop("weight_decay")
+    ref = optax.inject_hyperparams(lambda weight_decay, **kw: optax.chain(
+        optax.add_decayed_weights(weight_decay), optax.sgd(**kw)))(wd, **reference)
+  else:
+    ref = optax.inject_hyperparams(OPTAX[name])(**reference)
+
+  def two_steps(opt):
+    state, update = opt.init(params), jax.jit(opt.update)
+    u1, state = update(grads, state, params)
+    u2, _ = update(grads, state, optax.apply_updates(params, u1))
+    return u1, u2
+
+  want = two_steps(ref)
+  kernel = two_steps(optax.inject_hyperparams(FUSED[name])(**kwargs))
+  with cpu_kernels.disabled():
+    xla = two_steps(optax.inject_hyperparams(FUSED[name])(**kwargs))
+  for k, x, w in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(k), np.asarray(x), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(k), np.asarray(w), rtol=1e-5, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------- explicit dtype

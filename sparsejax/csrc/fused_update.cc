@@ -390,16 +390,21 @@ ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
 }
 
 // ---------------------------------------------------------------------------------------- Adam
-// cm, cg: the first moment's bias-corrected estimate is m * cm + g * cg (cm = 1 / (1 - b1**t),
-// cg = 0; Nesterov: cm = b1 / (1 - b1**(t + 1)), cg = (1 - b1) / (1 - b1**t)); cv = 1 / (1 - b2**t).
+// cm, cg: the first moment's bias-corrected estimate is m * cm (cm = 1 / (1 - b1**t)), with
+// Nesterov m * cm + g * cg (cm = b1 / (1 - b1**(t + 1)), cg = (1 - b1) / (1 - b1**t));
+// cv = 1 / (1 - b2**t). LAMB has no Nesterov form (cg = 0, unused).
 struct Adam {
   float b1, b2, eps, eps_root, cm, cv, cg;
   // Scalars: learning rate, cm, cv, cg, b1, b2, eps, eps_root, weight decay, skip.
   static Adam From(const float* sc) { return Adam{sc[4], sc[5], sc[6], sc[7], sc[1], sc[2], sc[3]}; }
   inline float Mu(float g, float mu) const { return (1.0f - b1) * g + b1 * mu; }
   inline float Nu(float g, float nu) const { return (1.0f - b2) * (g * g) + b2 * nu; }
-  // optax.scale_by_adam's direction from the updated moments (and the gradient, for Nesterov).
-  inline float Direction(float m, float g, float v) const {
+  // optax.scale_by_adam's direction from the updated moments.
+  inline float Direction(float m, float v) const {
+    return (m * cm) / (std::sqrt(v * cv + eps_root) + eps);
+  }
+  // The same with Nesterov momentum (reads the gradient too).
+  inline float NesterovDirection(float m, float g, float v) const {
     return (m * cm + g * cg) / (std::sqrt(v * cv + eps_root) + eps);
   }
 };
@@ -422,7 +427,7 @@ void MomentsOnly(const Adam& adam, const Seg& s, int64_t lo, int64_t hi) {
 }
 
 // AdamW: u = -lr * (adam(g) + decay * p); p is not read when kDecayed is false.
-template <bool kDecayed>
+template <bool kDecayed, bool kNesterov>
 void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr) {
   const float* g = s.g;
   const float* p = s.p;
@@ -437,7 +442,7 @@ void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr
     const float m = adam.Mu(g[i], m_in[i]), v = adam.Nu(g[i], v_in[i]);
     m_out[i] = m;
     v_out[i] = v;
-    const float step = adam.Direction(m, g[i], v);
+    const float step = kNesterov ? adam.NesterovDirection(m, g[i], v) : adam.Direction(m, v);
     u[i] = -lr * (kDecayed ? step + d * p[i] : step);
   }
 }
@@ -445,7 +450,7 @@ void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr
 ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
                      ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
-                     bool decayed) {
+                     bool decayed, bool nesterov) {
   if (auto e = CheckScalars(scalars, 10); e.failure()) return e;
   const float* sc = scalars.typed_data();
   const float lr = sc[0];
@@ -459,10 +464,16 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (!(s.flags & kReal)) {
       MomentsOnly(adam, s, lo, hi);
+    } else if (nesterov) {
+      if (decayed) {
+        AdamwRange<true, true>(adam, s, lo, hi, lr);
+      } else {
+        AdamwRange<false, true>(adam, s, lo, hi, lr);
+      }
     } else if (decayed) {
-      AdamwRange<true>(adam, s, lo, hi, lr);
+      AdamwRange<true, false>(adam, s, lo, hi, lr);
     } else {
-      AdamwRange<false>(adam, s, lo, hi, lr);
+      AdamwRange<false, false>(adam, s, lo, hi, lr);
     }
   });
   return ffi::Error::Success();
@@ -499,7 +510,7 @@ ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
     const float d = s.decay;
     SumSquares2(lo, hi, [&](int64_t i, float& x, float& y) {
       const float m = adam.Mu(g[i], m_in[i]), v = adam.Nu(g[i], v_in[i]);
-      const float w = adam.Direction(m, g[i], v) + d * p[i];
+      const float w = adam.Direction(m, v) + d * p[i];
       m_out[i] = m;
       v_out[i] = v;
       u[i] = w;
@@ -538,6 +549,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedLars, LarsImpl,
                               SPARSEJAX_BIND.Attr<bool>("nesterov"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedAdamw, AdamwImpl,
-                              SPARSEJAX_BIND.Attr<bool>("decayed"));
+                              SPARSEJAX_BIND.Attr<bool>("decayed").Attr<bool>("nesterov"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedLamb, LambImpl, SPARSEJAX_BIND);
