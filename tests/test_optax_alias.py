@@ -231,9 +231,10 @@ def test_traced_hyperparameters_on_both_paths(name):
                      "weight_decay": 0.01}}[name]
   reference = kwargs.copy()
   if name == "sgd":  # fused_sgd's weight decay is optax's add_decayed_weights in front of sgd
-    wd = reference.pop("weight_decay")
-    ref = optax.inject_hyperparams(lambda weight_decay, **kw: optax.chain(
-        optax.add_decayed_weights(weight_decay), optax.sgd(**kw)))(wd, **reference)
+    def decayed_sgd(learning_rate, momentum, weight_decay):
+      return optax.chain(optax.add_decayed_weights(weight_decay),
+                         optax.sgd(learning_rate, momentum))
+    ref = optax.inject_hyperparams(decayed_sgd)(**reference)
   else:
     ref = optax.inject_hyperparams(OPTAX[name])(**reference)
 
