@@ -6,7 +6,8 @@ sparsejax` does not import grain, TFDS or flax).
 
 import importlib
 
-from sparsejax import comm, compress, flat, hlo, optim, topk
+from sparsejax import accumulate, comm, compress, flat, hlo, optim, topk
+from sparsejax.accumulate import multi_steps
 from sparsejax.compress import topk_allreduce
 from sparsejax.flat import FlatLayout
 from sparsejax.optim import fused_adamw, fused_lamb, fused_lars, fused_sgd
@@ -14,9 +15,9 @@ from sparsejax.topk import exact_topk, mstopk, sampled_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["comm", "compress", "flat", "hlo", "optim", "topk", "FlatLayout", "topk_allreduce",
-           "mstopk", "exact_topk", "sampled_topk", "fused_sgd", "fused_lars", "fused_lamb",
-           "fused_adamw"]
+__all__ = ["accumulate", "comm", "compress", "flat", "hlo", "optim", "topk", "FlatLayout",
+           "topk_allreduce", "multi_steps", "mstopk", "exact_topk", "sampled_topk", "fused_sgd",
+           "fused_lars", "fused_lamb", "fused_adamw"]
 
 _LAZY = ("data", "models", "train")
 

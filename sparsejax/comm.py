@@ -1,9 +1,12 @@
-"""Collectives for data-parallel gradients, called inside `shard_map` over named mesh axes.
+"""Collectives for data-parallel gradients, called inside `shard_map` or `pmap` over named axes.
 
-The mesh has a slow `node` axis (the network between machines) and a fast `local` axis (links
-inside a machine). Every function takes axis names, never devices, and returns the SUM over all
-workers, identical on every worker. The sparse ones also return the error-feedback residual: what
-this worker did not send (with momentum correction, a `Corrected` pair: residual and velocity).
+The flat collectives (dense, TopK all-gather) run over one axis name or a tuple of names, as JAX
+code binds them (`pmap(axis_name="batch")`, a 1-D `("data",)` mesh, or several mesh axes). The
+hierarchical ones take two: a slow `node` axis (the network between machines) and a fast `local`
+axis (links inside a machine). Every function takes axis names, never devices, and returns the SUM
+over all workers, identical on every worker. The sparse ones also return the error-feedback
+residual: what this worker did not send (with momentum correction, a `Corrected` pair: residual and
+velocity).
 
   dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
   hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
@@ -25,10 +28,12 @@ from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
-           "wire_bytes", "axis_size", "Corrected", "ALGORITHMS", "SPARSE_ALGORITHMS"]
+           "wire_bytes", "axis_size", "axis_names", "Corrected", "ALGORITHMS",
+           "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
 SPARSE_ALGORITHMS = ("allgather", "hitopk")  # the ones that select top-k (and keep a residual)
+HIERARCHICAL_ALGORITHMS = ("hierarchical", "hitopk")  # the ones over two axes (slow, fast)
 
 
 class Corrected(NamedTuple):
@@ -47,16 +52,38 @@ class Corrected(NamedTuple):
   velocity: jax.Array
 
 
+def axis_names(algorithm: str, axes: str | Sequence[str]) -> tuple[str, ...]:
+  """The axis names `algorithm` runs over, checked: one name or several for the flat algorithms
+  (dense, allgather), exactly two (slow, fast) for the hierarchical ones (hierarchical, hitopk)."""
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(ALGORITHMS)}")
+  names = (axes,) if isinstance(axes, str) else axes
+  if (not isinstance(names, tuple | list) or not names
+      or not all(isinstance(a, str) and a for a in names)):
+    raise ValueError(f"mesh axes must be an axis name or a tuple of axis names, got {axes!r}")
+  names = tuple(names)
+  if len(set(names)) != len(names):
+    raise ValueError(f"mesh axes must be distinct, got {names}")
+  if algorithm in HIERARCHICAL_ALGORITHMS and len(names) != 2:
+    raise ValueError(f"algorithm {algorithm!r} needs two mesh axes (slow inter-node, fast "
+                     f"intra-node), got {names}; over one axis (jax.pmap, a 1-D mesh) use "
+                     f"'allgather' (sparse) or 'dense'")
+  return names
+
+
 def axis_size(name: str | Sequence[str]) -> int:
-  """Size of a bound mesh axis (or the product over several); a clear error outside shard_map."""
+  """Size of a bound axis (or the product over several); a clear error where it is not bound."""
+  if name is None or (not isinstance(name, str) and not all(isinstance(a, str) for a in name)):
+    raise ValueError(f"an axis name (a str) or a tuple of them is needed, got {name!r}")
   names = (name,) if isinstance(name, str) else tuple(name)
   size = 1
   for a in names:
     try:
       size *= lax.axis_size(a)
     except NameError as e:
-      raise ValueError(f"mesh axis {a!r} is not bound: call this inside jax.shard_map over a mesh "
-                       f"that has an axis named {a!r}") from e
+      raise ValueError(f"axis {a!r} is not bound: call this inside jax.shard_map over a mesh "
+                       f"that has an axis named {a!r}, or inside jax.pmap(..., "
+                       f"axis_name={a!r})") from e
   return size
 
 

@@ -1,14 +1,16 @@
 """Gradient compression as an optax `GradientTransformation`: top-k all-reduce with error feedback.
 
-`topk_allreduce(...)` is called inside `shard_map` over the mesh axes `(node, local)`, like optax's
-transforms that take an axis name. `update` ravels the gradient pytree once into a flat float32
-buffer, adds the residual, runs the chosen collective and returns the MEAN over all workers with the
-gradient's own structure and dtypes. Its state is per worker (the residual differs on every worker),
-so `init` also runs inside `shard_map`.
+`topk_allreduce(...)` is called inside `shard_map` or `pmap` over the axes it is given (one name or
+several for dense and TopK all-gather, `(node, local)` for the hierarchical algorithms), like
+optax's transforms that take an axis name. `update` ravels the gradient pytree once into a flat
+float32 buffer, adds the residual, runs the chosen collective and returns the MEAN over all workers
+with the gradient's own structure and dtypes. Its state is per worker (the residual differs on
+every worker), so `init` also runs inside `shard_map`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,9 +68,30 @@ def _all_finite(x: jax.Array) -> jax.Array:
   return jnp.isfinite(jnp.sum(x * 0.0))
 
 
+def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
+          local_axis: str | None) -> tuple[str, ...]:
+  """The axes topk_allreduce runs over, from `axis_name` or `(node_axis, local_axis)`."""
+  if axis_name is not None:
+    if (node_axis, local_axis) != ("node", "local"):
+      raise ValueError(f"give the axes either as axis_name or as node_axis/local_axis, not both "
+                       f"(axis_name={axis_name!r}, node_axis={node_axis!r}, "
+                       f"local_axis={local_axis!r})")
+    return comm.axis_names(algorithm, axis_name)
+  pair = tuple(a for a in (node_axis, local_axis) if a is not None)
+  if algorithm in comm.HIERARCHICAL_ALGORITHMS and len(pair) != 2:
+    raise ValueError(f"algorithm {algorithm!r} needs two axes, node_axis (slow) and local_axis "
+                     f"(fast), got node_axis={node_axis!r}, local_axis={local_axis!r}; over one "
+                     f"axis use 'allgather' (sparse) or 'dense'")
+  if not pair:
+    raise ValueError("node_axis and local_axis are both None: name the axes (axis_name=...)")
+  return comm.axis_names(algorithm, pair)
+
+
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",
-                   selector: str | Callable = "mstopk", node_axis: str = "node",
-                   local_axis: str = "local", error_feedback: bool = True,
+                   selector: str | Callable = "mstopk",
+                   axis_name: str | tuple[str, ...] | None = None,
+                   node_axis: str | None = "node", local_axis: str | None = "local",
+                   error_feedback: bool = True,
                    density_schedule: Callable[[jax.Array], jax.Array] | None = None,
                    momentum: float = 0.0, nesterov: bool = False,
                    momentum_masking: bool = True) -> optax.GradientTransformation:
@@ -80,7 +103,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather), "hierarchical" or "dense"
       (uncompressed baselines; density is then ignored).
     selector: "mstopk", "exact", "sampled", or a callable `(x, k) -> (values, indices)`.
-    node_axis, local_axis: names of the mesh axes (slow inter-node, fast intra-node).
+    axis_name: the axes the workers span, as JAX code binds them: one name
+      (`jax.pmap(..., axis_name="batch")`, a 1-D mesh) or a tuple of names for "dense" and
+      "allgather"; two names (slow inter-node, fast intra-node) for "hitopk" and "hierarchical".
+      None (default): `(node_axis, local_axis)`.
+    node_axis, local_axis: the same as two names (slow, fast), the default spelling; a None one
+      is left out (for the flat algorithms). Give either these or `axis_name`.
     error_feedback: keep what was not sent and add it next step.
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
@@ -94,16 +122,21 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       momentum SGD applies (better in sparsejax's convergence study, see the README).
 
   Returns:
-    An `optax.GradientTransformation`; `init` and `update` must run inside `shard_map`.
+    An `optax.GradientTransformation`; `init` and `update` must run where the axes are bound
+    (inside `shard_map` or `pmap`).
 
   Example:
     >>> tx = optax.chain(topk_allreduce(0.001), optax.sgd(0.1, momentum=0.9))
     >>> # inside shard_map(..., mesh=Mesh(devices.reshape(2, 4), ("node", "local"))):
     >>> #   updates, state = tx.update(grads, state, params)
+    >>> tx = optax.chain(topk_allreduce(0.01, algorithm="allgather", axis_name="batch"),
+    ...                  optax.sgd(0.1, momentum=0.9))
+    >>> # inside jax.pmap(..., axis_name="batch"): the same calls
   """
   _check_density("density", density)
   if algorithm not in comm.ALGORITHMS:
     raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
+  axes = _axes(algorithm, axis_name, node_axis, local_axis)
   select = topk_lib.get_selector(selector)
   sparse = algorithm in comm.SPARSE_ALGORITHMS
   if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
@@ -122,10 +155,16 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     levels = density_levels(density)
   else:
     levels = (float(density),)
-  axes = (node_axis, local_axis)
 
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
-    nodes, local = comm.axis_size(node_axis), comm.axis_size(local_axis)
+    # nodes: workers over all axes but the last; local: over the last (the buffer is padded to a
+    # multiple of it; for a hierarchical algorithm the two are the slow and the fast axis).
+    try:
+      sizes = [comm.axis_size(a) for a in axes]
+    except ValueError as e:
+      raise ValueError(f"topk_allreduce(algorithm={algorithm!r}) runs over the axes {axes}: "
+                       f"{e}") from e
+    nodes, local = math.prod(sizes[:-1]), sizes[-1]
     layout = FlatLayout.from_tree(tree, pad_to=local)
     shard = layout.padded_size // local if algorithm == "hitopk" else layout.padded_size
     return layout, nodes, local, shard
@@ -160,13 +199,13 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
           if algorithm == "dense":
             total = comm.dense_allreduce(flat, axes=axes)
           else:
-            total = comm.hierarchical_allreduce(flat, node_axis=node_axis, local_axis=local_axis)
+            total = comm.hierarchical_allreduce(flat, node_axis=axes[0], local_axis=axes[1])
           sent = comm.wire_bytes(algorithm, n=n, nodes=nodes, local=local)
           return total, residual, jnp.float32(sent["inter"] + sent["intra"])
         k = max(1, round(level * shard))
         if algorithm == "hitopk":
-          total, new_res = comm.hitopk_allreduce(flat, k, node_axis=node_axis,
-                                                 local_axis=local_axis, residual=residual,
+          total, new_res = comm.hitopk_allreduce(flat, k, node_axis=axes[0],
+                                                 local_axis=axes[1], residual=residual,
                                                  select=select, momentum=momentum,
                                                  nesterov=nesterov,
                                                  momentum_masking=momentum_masking)

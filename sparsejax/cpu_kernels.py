@@ -175,17 +175,20 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
   """One fused update by the kernel `name` (sgd, lars, adamw, lamb) -> (new state, updates).
 
   Args:
-    scalars: float32[k], the traced scalars: the learning rate, then the Adam bias corrections
-      (adamw, lamb).
+    scalars: float32[k], the traced hyperparameters in the kernel's order (sgd: learning rate,
+      momentum, weight decay; lars: learning rate, momentum, weight decay, trust coefficient, eps;
+      adamw and lamb: learning rate, the three bias-correction factors cm, cv, cg, b1, b2, eps,
+      eps_root, weight decay). Traced, so that `optax.inject_hyperparams` can change them.
     state: the flat float32 state buffers (momentum; or mu, nu), each of length padded_size.
     grads: float32 buffers: one flat buffer (`flat=True`) or one per leaf, in leaf order.
     params: like `grads`, or None when the update does not read params.
-    table: (starts int64[S + 1], decay float32[S], flags int32[S]) of the layout
-      (`sparsejax.optim` builds it; flags: 1 = a real leaf, 2 = the trust ratio applies).
+    table: (starts int64[S + 1], decay_mask float32[S], flags int32[S]) of the layout
+      (`sparsejax.optim` builds it; decay_mask: 1 where the weight decay applies; flags: 1 = a
+      real leaf, 2 = the trust ratio applies).
     flat: whether grads/params are the flat layout or the leaves.
     skip: a bool scalar, or None (False); where set, zero updates and the state left as it is.
       It goes to the kernel as its last traced scalar.
-    **attrs: the kernel's scalar attributes (numpy float32 / bool).
+    **attrs: the kernel's static attributes (bools: nesterov, decayed; lamb has none).
   The new state is written over the old and the updates over the gradient (aliased operands).
   """
   if name not in _TARGETS:
@@ -193,12 +196,13 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
   k, n = len(state), len(grads)
   out = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (*state, *grads)]
   aliases = {1 + i: i for i in range(k + n)}  # operand 0 is `scalars`
-  starts, decay, flags = table
+  starts, decay_mask, flags = table
   flag = jnp.zeros((1,), jnp.float32) if skip is None else jnp.reshape(skip, (1,))
-  scalars = jnp.concatenate([jnp.reshape(scalars, (-1,)), flag.astype(jnp.float32)])
+  scalars = jnp.concatenate([jnp.reshape(scalars, (-1,)).astype(jnp.float32),
+                             flag.astype(jnp.float32)])
   res = jax.ffi.ffi_call(f"sparsejax_fused_{name}", out, input_output_aliases=aliases,
                          vmap_method="sequential")(
-      scalars, *state, *grads, *(params or ()), starts=starts, decay=decay, flags=flags,
+      scalars, *state, *grads, *(params or ()), starts=starts, decay_mask=decay_mask, flags=flags,
       flat=bool(flat), **attrs)
   return tuple(res[:k]), list(res[k:])
 

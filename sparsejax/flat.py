@@ -2,7 +2,9 @@
 
 The whole gradient (and later the parameters and optimizer moments) travels as one flat buffer so
 that compression, collectives and the optimizer update each compile to a handful of kernels. The
-layout is static (hashable): shapes, dtypes, offsets and the treedef, nothing traced.
+layout is static (hashable): shapes, dtypes, offsets and the treedef, nothing traced. A complex
+leaf travels as two real values per element (real and imaginary part interleaved), so the buffer
+is always real.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class FlatLayout:
     shapes: shape of each leaf, in `jax.tree.leaves` order.
     dtypes: dtype of each leaf.
     offsets: start of each leaf in the buffer, a multiple of `align`.
-    size: number of real values (sum of leaf sizes).
+    size: number of real values (sum of `sizes`: a complex leaf counts twice).
     padded_size: buffer length, a multiple of both `pad_to` and `align`; gaps and tail are zeros.
     pad_to: the multiple the buffer length is padded to.
     align: every leaf starts at a multiple of `align`. With `align > 1` the buffer reshapes to
@@ -63,10 +65,12 @@ class FlatLayout:
     dtypes = tuple(jax.dtypes.canonicalize_dtype(
         leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype) for leaf in leaves)
     for shape, dtype in zip(shapes, dtypes):
-      if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise TypeError(f"FlatLayout leaves must be numeric arrays, got a leaf of dtype {dtype}"
-                        f" and shape {shape}")
-    sizes = [math.prod(s) for s in shapes]
+      if not any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer,
+                                                    jnp.complexfloating)):
+        raise TypeError(f"FlatLayout leaves must be numeric arrays (real, integer or complex), "
+                        f"got a leaf of dtype {dtype} and shape {shape}")
+    sizes = [math.prod(s) * (2 if jnp.issubdtype(d, jnp.complexfloating) else 1)
+             for s, d in zip(shapes, dtypes)]
     spans = [-(-s // align) * align for s in sizes]
     offsets = tuple(int(o) for o in np.cumsum([0] + spans[:-1]))
     end = offsets[-1] + sizes[-1]
@@ -79,8 +83,20 @@ class FlatLayout:
     return len(self.shapes)
 
   @property
+  def is_complex(self) -> tuple[bool, ...]:
+    """Whether each leaf is complex (two buffer values per element: real, imaginary)."""
+    return tuple(bool(jnp.issubdtype(d, jnp.complexfloating)) for d in self.dtypes)
+
+  @property
   def sizes(self) -> tuple[int, ...]:
-    return tuple(math.prod(s) for s in self.shapes)
+    """Number of buffer values of each leaf (twice its element count for a complex leaf)."""
+    return tuple(math.prod(s) * (2 if c else 1) for s, c in zip(self.shapes, self.is_complex))
+
+  @property
+  def real_dtype(self) -> np.dtype:
+    """The default buffer dtype: the result type of the leaves, complex ones by their parts."""
+    return jnp.result_type(*(jnp.finfo(d).dtype if c else d
+                             for d, c in zip(self.dtypes, self.is_complex)))
 
   @property
   def rows(self) -> int:
@@ -157,17 +173,22 @@ class FlatLayout:
 
     Args:
       tree: a tree with this layout's structure and shapes.
-      dtype: buffer dtype; default the result type of all leaves.
+      dtype: buffer dtype (real); default `real_dtype`.
     """
     leaves = self.treedef.flatten_up_to(tree)
     for i, (leaf, shape) in enumerate(zip(leaves, self.shapes)):
       if tuple(np.shape(leaf)) != shape:
         raise ValueError(f"leaf {i} has shape {tuple(np.shape(leaf))}, the layout expects {shape}")
-    dtype = jnp.result_type(*self.dtypes) if dtype is None else dtype
+    dtype = self.real_dtype if dtype is None else dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(f"ravel makes a real buffer (a complex leaf travels as two real values); "
+                       f"got dtype={dtype}")
     parts, end = [], 0
-    for leaf, offset, size in zip(leaves, self.offsets, self.sizes):
+    for leaf, offset, size, cplx in zip(leaves, self.offsets, self.sizes, self.is_complex):
       if offset > end:
         parts.append(jnp.zeros(offset - end, dtype))
+      if cplx:
+        leaf = jnp.stack([jnp.real(leaf), jnp.imag(leaf)], axis=-1)
       parts.append(jnp.ravel(leaf).astype(dtype))
       end = offset + size
     if self.padded_size > end:
@@ -179,6 +200,12 @@ class FlatLayout:
     if flat.ndim != 1 or flat.shape[0] != self.padded_size:
       raise ValueError(f"unravel expects a 1-D buffer of length {self.padded_size}, "
                        f"got shape {flat.shape}")
-    leaves = [flat[o:o + math.prod(s)].reshape(s).astype(d)
-              for o, s, d in zip(self.offsets, self.shapes, self.dtypes)]
+    leaves = []
+    for o, n, s, d, c in zip(self.offsets, self.sizes, self.shapes, self.dtypes, self.is_complex):
+      part = flat[o:o + n]
+      if c:
+        pair = part.reshape(*s, 2).astype(jnp.finfo(d).dtype)
+        leaves.append(jax.lax.complex(pair[..., 0], pair[..., 1]).astype(d))
+      else:
+        leaves.append(part.reshape(s).astype(d))
     return jax.tree.unflatten(self.treedef, leaves)

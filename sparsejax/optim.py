@@ -25,9 +25,17 @@ On CPU both faces run the same update as one C++ kernel (`sparsejax.cpu_kernels`
 kernel does one tensor at a time while it is in cache; the pytree face passes the leaves to it as
 they are. The XLA code below is the path everywhere else (GPU, or no C++ compiler).
 
-State and arithmetic are float32 whatever the parameter dtype; updates are cast back to the dtype of
-the incoming updates. `update(updates, state, params, skip=flag)` with a bool scalar `flag` returns
-zero updates and the unchanged state where it is set (a step with a non-finite gradient).
+Like optax's optimizers they take their optax namesake's arguments in the same positions, accept
+and ignore extra `update` arguments, and work under `optax.inject_hyperparams`: every numeric
+hyperparameter may be a scalar array (traced under jit) instead of a Python number; Python numbers
+are checked at construction, arrays when their value is known. Complex parameters travel as two
+real values per element (the update is optax's, `|g|^2` included). An empty tree has an empty
+state (`optax.tree.map_params` relies on it); the moments count as the params' stand-in there.
+
+State and arithmetic are float32 whatever the parameter dtype (unless `accumulator_dtype` /
+`mu_dtype` asks for another storage dtype); updates are cast back to the dtype of the incoming
+updates. `update(updates, state, params, skip=flag)` with a bool scalar `flag` returns zero
+updates and the unchanged state where it is set (a step with a non-finite gradient).
 """
 
 from __future__ import annotations
@@ -53,14 +61,17 @@ __all__ = ["DEFAULT_ALIGN", "FusedMomentumState", "FusedAdamState", "fused_sgd",
 # values keep row reductions vectorised on CPU and cost at most 255 padding values per leaf.
 DEFAULT_ALIGN = 256
 
-ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+# A hyperparameter: a Python number, or a scalar array (optax.inject_hyperparams passes those).
+Scalar = float | jax.Array
+ScalarOrSchedule = Scalar | Callable[[jax.Array], jax.Array]
 
 
 class FusedMomentumState(NamedTuple):
   """State of `fused_sgd` and `fused_lars`.
 
   count: int32[], number of updates so far (drives learning-rate schedules).
-  momentum: float32[padded_size], the momentum buffer (None for SGD without momentum).
+  momentum: float32[padded_size] (or `accumulator_dtype`), the momentum buffer (None for SGD
+    without momentum).
   """
 
   count: jax.Array
@@ -71,7 +82,7 @@ class FusedAdamState(NamedTuple):
   """State of `fused_lamb` and `fused_adamw`.
 
   count: int32[], number of updates so far (bias correction and schedules).
-  mu: float32[padded_size], first moment.
+  mu: float32[padded_size] (or `mu_dtype`), first moment.
   nu: float32[padded_size], second moment.
   """
 
@@ -101,10 +112,26 @@ def _check_number(name: str, value: Any, low: float | None = None, high: float |
   return value
 
 
-def _check_lr(learning_rate: ScalarOrSchedule) -> ScalarOrSchedule:
+def _check_scalar(name: str, value: Any, low: float | None = None, high: float | None = None,
+                  high_open: bool = True) -> Scalar:
+  """A Python real -> float, checked; a scalar array -> float32[] (checked when concrete)."""
+  if isinstance(value, jax.Array | np.ndarray) and not isinstance(value, np.generic):
+    dtype = jnp.result_type(value)
+    if jnp.shape(value) != () or not (jnp.issubdtype(dtype, jnp.number)):
+      raise ValueError(f"{name} must be a real number or a scalar array, got an array of shape "
+                       f"{jnp.shape(value)} and dtype {dtype}")
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # inject_hyperparams with complex params
+      value = jnp.real(value)
+    if not isinstance(value, jax.core.Tracer):
+      _check_number(name, float(value), low, high, high_open)
+    return jnp.asarray(value, jnp.float32)
+  return _check_number(name, value, low, high, high_open)
+
+
+def _check_lr(learning_rate: ScalarOrSchedule, name: str = "learning_rate") -> ScalarOrSchedule:
   if callable(learning_rate):
     return learning_rate
-  return _check_number("learning_rate", learning_rate, 0.0)
+  return _check_scalar(name, learning_rate, 0.0)
 
 
 def _check_mask(name: str, mask: Any) -> Any:
@@ -117,6 +144,31 @@ def _check_mask(name: str, mask: Any) -> Any:
   return mask
 
 
+def _check_state_dtype(name: str, dtype: Any) -> np.dtype:
+  """The storage dtype of a moment buffer: float32 for None; a complex dtype means its parts'."""
+  if dtype is None:
+    return np.dtype(np.float32)
+  try:
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"{name} must be a floating or complex dtype or None, got {dtype!r}") from e
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    dtype = jnp.finfo(dtype).dtype  # the flat buffer holds complex values as pairs of reals
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating or complex dtype or None, got {dtype}")
+  return np.dtype(dtype)
+
+
+def _is_zero(x: Scalar) -> bool:
+  """True only for a Python zero (an array may be anything at run time)."""
+  return isinstance(x, float | int) and x == 0.0
+
+
+def _at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """float32[]: a hyperparameter's value at step `count` (schedules are called with it)."""
+  return jnp.asarray(value(count) if callable(value) else value, jnp.float32)
+
+
 # ----------------------------------------------------------------------------- static plan
 
 
@@ -126,16 +178,20 @@ class _Plan:
 
   layout: FlatLayout
   row_ids: np.ndarray        # int32[rows], leaf of each row (num_leaves for padding rows)
-  decay_rows: np.ndarray     # float32[rows], weight decay of each row's leaf (0: masked/padding)
+  decay_rows: np.ndarray     # float32[rows], 1 where the leaf of a row gets weight decay
   trust_leaves: np.ndarray   # bool[num_leaves + 1], where the trust ratio applies
   valid_len: np.ndarray      # int32[rows], number of real values in each row
   # The CPU kernels' segment table: int64[S + 1] boundaries of the leaves and the gaps between
-  # them, float32[S] weight decay, int32[S] flags (1: a real leaf, 2: the trust ratio applies).
+  # them, float32[S] weight-decay mask, int32[S] flags (1: a real leaf, 2: the trust ratio).
   table: tuple[np.ndarray, np.ndarray, np.ndarray]
 
   @property
   def shape2d(self) -> tuple[int, int]:
     return self.layout.rows, self.layout.align
+
+  @property
+  def has_complex(self) -> bool:
+    return any(self.layout.is_complex)
 
   def rows(self, x: jax.Array) -> jax.Array:
     """float32[padded_size] -> float32[rows, align] (for row reductions)."""
@@ -145,14 +201,29 @@ class _Plan:
     """[rows] -> [padded_size]: each row's value repeated over the row's `align` elements."""
     return jnp.broadcast_to(per_row[:, None], self.shape2d).reshape(-1)
 
+  def pair_sum(self, x: jax.Array) -> jax.Array:
+    """float32[padded_size]: at each half of a complex element, the sum of x over both halves
+    (`|g|^2` from the squares of its parts); x as it is elsewhere."""
+    if not self.has_complex:
+      return x
+    lay = self.layout
+    first = np.zeros(lay.padded_size, bool)   # the real part of a complex element
+    second = np.zeros(lay.padded_size, bool)  # its imaginary part
+    for offset, size, cplx in zip(lay.offsets, lay.sizes, lay.is_complex):
+      if cplx:
+        first[offset:offset + size:2] = True
+        second[offset + 1:offset + size:2] = True
+    nxt, prev = jnp.roll(x, -1), jnp.roll(x, 1)
+    return x + jnp.where(first, nxt, jnp.where(second, prev, 0.0))
 
-def _make_plan(layout: FlatLayout, weight_decay: float, decay_mask: Any,
-               trust_mask: Any = True, decay_mask_name: str = "mask",
+
+def _make_plan(layout: FlatLayout, decay_mask: Any, trust_mask: Any = True,
+               decay_mask_name: str = "mask",
                trust_mask_name: str = "trust_ratio_mask") -> _Plan:
   row_ids = layout.row_segment_ids
   decay_leaves = np.zeros(layout.num_leaves + 1, np.float32)
-  decay_leaves[:-1] = weight_decay * layout.leaf_flags(
-      True if decay_mask is None else decay_mask, decay_mask_name)
+  decay_leaves[:-1] = layout.leaf_flags(True if decay_mask is None else decay_mask,
+                                        decay_mask_name)
   trust_leaves = np.zeros(layout.num_leaves + 1, bool)
   trust_leaves[:-1] = layout.leaf_flags(trust_mask, trust_mask_name)
   valid = np.zeros(layout.rows, np.int64)
@@ -215,7 +286,7 @@ def _leaf_norms(plan: _Plan, *xs: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _trust_ratio(plan: _Plan, param_norm: jax.Array, update_norm: jax.Array,
-                trust_coefficient: float, eps: float) -> jax.Array:
+                trust_coefficient: Scalar, eps: Scalar) -> jax.Array:
   """float32[padded_size]: optax.scale_by_trust_ratio's factor for each element's leaf."""
   ratio = trust_coefficient * param_norm / (update_norm + eps)
   zero = jnp.logical_or(param_norm == 0.0, update_norm == 0.0)
@@ -223,19 +294,18 @@ def _trust_ratio(plan: _Plan, param_norm: jax.Array, update_norm: jax.Array,
   return plan.expand(ratio[jnp.asarray(plan.row_ids)])
 
 
-def _learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  if callable(learning_rate):
-    return jnp.asarray(learning_rate(count), jnp.float32)
-  return jnp.float32(learning_rate)
-
-
-def _decay(plan: _Plan) -> jax.Array:
-  """Weight decay of each element (0 where masked): a scalar when every leaf has the same one
-  (the padding is zero in params and updates, so its decay does not matter)."""
+def _decay(plan: _Plan, weight_decay: jax.Array) -> jax.Array:
+  """Weight decay of each element (0 where masked): a scalar when every leaf gets it (the
+  padding is zero in params and updates, so its decay does not matter)."""
   real = plan.decay_rows[plan.row_ids < plan.layout.num_leaves]
   if np.all(real == real[0]):
-    return jnp.float32(real[0])
-  return plan.expand(jnp.asarray(plan.decay_rows))
+    return weight_decay * jnp.float32(real[0])
+  return weight_decay * plan.expand(jnp.asarray(plan.decay_rows))
+
+
+def _scalars(*values: Scalar) -> jax.Array:
+  """float32[k]: the traced scalars of a kernel call, in its order."""
+  return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
 # ----------------------------------------------------------------------------- the two faces
@@ -271,12 +341,46 @@ def _skipped_kernel(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) ->
   return new if skip is None else new._replace(count=jnp.where(skip, old.count, new.count))
 
 
-def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
+def _as_float32(state: NamedTuple) -> NamedTuple:
+  """The state with its moment buffers in float32 (a no-op for float32 storage)."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+
+def _stored_like(new: NamedTuple, old: NamedTuple) -> NamedTuple:
+  return jax.tree.map(lambda n, o: n.astype(o.dtype), new, old)
+
+
+def _leaf_to_real(x: jax.Array) -> jax.Array:
+  """A leaf as the float32 values the kernels read: a complex one as (re, im) pairs, 1-D."""
+  if jnp.iscomplexobj(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).reshape(-1).astype(jnp.float32)
+  return x.astype(jnp.float32)
+
+
+def _leaf_from_real(u: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    pair = u.reshape(*shape, 2)
+    return lax.complex(pair[..., 0], pair[..., 1]).astype(dtype)
+  return u.astype(dtype)
+
+
+def _empty(tree: Any) -> bool:
+  return not jax.tree.leaves(tree)
+
+
+def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTuple],
           update_flat: Callable[[_Plan, jax.Array, NamedTuple, jax.Array | None], tuple],
           kernel: KernelFn | None, plan_for: Callable[[FlatLayout], _Plan],
-          layout: FlatLayout | None, needs_params: bool) -> optax.GradientTransformation:
-  """Wraps an update into one of the two faces. `update_flat(plan, g, state, p) -> (u, state)` is
-  the XLA path over float32[padded_size] buffers; `kernel` (or None) the CPU kernel path."""
+          layout: FlatLayout | None, needs_params: bool, pairs_matter: bool = False
+          ) -> optax.GradientTransformationExtraArgs:
+  """Wraps an update into one of the two faces.
+
+  `init_state(buffer)` builds the state from `buffer(dtype)`, which makes one moment buffer;
+  `update_flat(plan, g, state, p) -> (u, state)` is the XLA path over float32[padded_size]
+  buffers; `kernel` (or None) the CPU kernel path. `pairs_matter`: the update mixes the two parts
+  of a complex value (Adam's |g|^2), which only the XLA path does.
+  """
   if layout is not None and not isinstance(layout, FlatLayout):
     raise ValueError(f"{name}: layout must be a sparsejax.flat.FlatLayout or None, got "
                      f"{type(layout).__name__}")
@@ -296,102 +400,133 @@ def _make(name: str, init_flat: Callable[[_Plan], NamedTuple],
     if needs_params and params is None:
       raise ValueError(f"{name} needs params in update(updates, state, params)")
 
+  def empty_init(params: Any) -> NamedTuple:
+    # No leaves (an empty tree, or optax.tree.map_params' placeholder): the moments are `params`
+    # itself, as in optax, where they are trees of the params' structure.
+    return init_state(lambda dtype: params)
+
+  def empty_update(updates: Any, state: NamedTuple, skip: jax.Array | None):
+    count = optax.safe_increment(state.count)
+    if skip is not None:
+      count = jnp.where(skip, state.count, count)
+    return updates, state._replace(count=count)
+
+  def use_kernel(plan: _Plan) -> bool:
+    return kernel is not None and not (pairs_matter and plan.has_complex)
+
   if layout is not None:
     def init_fn(params: jax.Array) -> NamedTuple:
+      if _empty(params):
+        return empty_init(params)
       check_flat("params", params, layout)
-      return init_flat(get_plan(layout))
+      get_plan(layout)  # a mask that does not match the parameters fails here
+      return init_state(lambda dtype: jnp.zeros(layout.padded_size, dtype))
 
     def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None, *,
-                  skip: Any = None):
+                  skip: Any = None, **extra_args: Any):
+      del extra_args  # accepted and ignored, as optax's transforms do
+      skip = _skip_flag(name, skip)
+      if _empty(updates):
+        return empty_update(updates, state, skip)
       check_flat("updates", updates, layout)
       check_params(params)
       if needs_params:
         check_flat("params", params, layout)
-      skip = _skip_flag(name, skip)
       plan = get_plan(layout)
       g = updates.astype(jnp.float32)
       p = params.astype(jnp.float32) if needs_params else None
+      state32 = _as_float32(state)
 
       def on_xla():
-        u, new_state = update_flat(plan, g, state, p)
-        return _skipped_xla(skip, u, state, new_state)
+        u, new_state = update_flat(plan, g, state32, p)
+        return _skipped_xla(skip, u, state32, new_state)
 
       def on_kernel():
-        us, new_state = kernel(plan, [g], state, None if p is None else [p], True, skip)
-        return us[0], _skipped_kernel(skip, state, new_state)
+        us, new_state = kernel(plan, [g], state32, None if p is None else [p], True, skip)
+        return us[0], _skipped_kernel(skip, state32, new_state)
 
-      u, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
-      return u.astype(updates.dtype), state
+      u, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
+      return u.astype(updates.dtype), _stored_like(new_state, state)
   else:
     def init_fn(params: Any) -> NamedTuple:
-      return init_flat(get_plan(flat_layout(params)))
+      if _empty(params):
+        return empty_init(params)
+      size = get_plan(flat_layout(params)).layout.padded_size
+      return init_state(lambda dtype: jnp.zeros(size, dtype))
 
-    def update_fn(updates: Any, state: NamedTuple, params: Any = None, *, skip: Any = None):
+    def update_fn(updates: Any, state: NamedTuple, params: Any = None, *, skip: Any = None,
+                  **extra_args: Any):
+      del extra_args  # accepted and ignored, as optax's transforms do
+      skip = _skip_flag(name, skip)
+      if _empty(updates):
+        return empty_update(updates, state, skip)
       lay = flat_layout(updates)
       check_params(params)
-      skip = _skip_flag(name, skip)
       plan = get_plan(lay)
+      state32 = _as_float32(state)
 
       def on_xla():
         g = lay.ravel(updates, jnp.float32)
         p = lay.ravel(params, jnp.float32) if needs_params else None
-        u, new_state = update_flat(plan, g, state, p)
-        u, new_state = _skipped_xla(skip, u, state, new_state)
+        u, new_state = update_flat(plan, g, state32, p)
+        u, new_state = _skipped_xla(skip, u, state32, new_state)
         return jax.tree.leaves(lay.unravel(u)), new_state
 
       def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
-        gs = [x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(updates)]
-        ps = ([x.astype(jnp.float32) for x in lay.treedef.flatten_up_to(params)]
+        gs = [_leaf_to_real(x) for x in lay.treedef.flatten_up_to(updates)]
+        ps = ([_leaf_to_real(x) for x in lay.treedef.flatten_up_to(params)]
               if needs_params else None)
-        us, new_state = kernel(plan, gs, state, ps, False, skip)
-        return ([u.astype(d) for u, d in zip(us, lay.dtypes)],
-                _skipped_kernel(skip, state, new_state))
+        us, new_state = kernel(plan, gs, state32, ps, False, skip)
+        return ([_leaf_from_real(u, s, d) for u, s, d in zip(us, lay.shapes, lay.dtypes)],
+                _skipped_kernel(skip, state32, new_state))
 
-      us, state = _on_cpu(on_kernel, on_xla) if kernel else on_xla()
+      us, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
       out = jax.tree.unflatten(lay.treedef, us)
-      return jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates), state
+      return (jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates),
+              _stored_like(new_state, state))
 
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _zeros(plan: _Plan) -> jax.Array:
-  return jnp.zeros(plan.layout.padded_size, jnp.float32)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # ----------------------------------------------------------------------------- SGD
 
 
-def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
-              nesterov: bool = False, weight_decay: float = 0.0, weight_decay_mask: Any = None,
-              layout: FlatLayout | None = None) -> optax.GradientTransformation:
+def fused_sgd(learning_rate: ScalarOrSchedule, momentum: Scalar | None = None,
+              nesterov: bool = False, accumulator_dtype: Any = None, *,
+              weight_decay: ScalarOrSchedule = 0.0, weight_decay_mask: Any = None,
+              layout: FlatLayout | None = None) -> optax.GradientTransformationExtraArgs:
   """`optax.chain(optax.add_decayed_weights(weight_decay, weight_decay_mask), optax.sgd(...))`.
 
   Args:
-    learning_rate: a float >= 0 or an optax schedule `count -> lr`.
+    learning_rate: >= 0 (a number or scalar array) or an optax schedule `count -> lr`.
     momentum: trace decay in [0, 1), or None for plain SGD.
     nesterov: Nesterov momentum.
-    weight_decay: coupled weight decay (added to the gradient), >= 0.
+    accumulator_dtype: storage dtype of the momentum buffer (None: float32; a complex dtype
+      means its parts' dtype, since complex values are stored as pairs of reals).
+    weight_decay: coupled weight decay (added to the gradient), >= 0, or a schedule.
     weight_decay_mask: which leaves get weight decay (bool tree, prefix or callable); None = all.
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
   if momentum is not None:
-    momentum = _check_number("momentum", momentum, 0.0, 1.0)
-  weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+    momentum = _check_scalar("momentum", momentum, 0.0, 1.0)
+  weight_decay = _check_lr(weight_decay, "weight_decay")
   weight_decay_mask = _check_mask("weight_decay_mask", weight_decay_mask)
-  decayed = weight_decay > 0.0
+  dtype = _check_state_dtype("accumulator_dtype", accumulator_dtype)
+  decayed = not _is_zero(weight_decay)
+  nesterov = bool(nesterov)
 
   def plan_for(lay: FlatLayout) -> _Plan:
-    return _make_plan(lay, weight_decay, weight_decay_mask, decay_mask_name="weight_decay_mask")
+    return _make_plan(lay, weight_decay_mask, decay_mask_name="weight_decay_mask")
 
-  def init_flat(plan: _Plan) -> FusedMomentumState:
-    buf = _zeros(plan) if momentum is not None else None
-    return FusedMomentumState(jnp.zeros([], jnp.int32), buf)
+  def init_state(buffer) -> FusedMomentumState:
+    return FusedMomentumState(jnp.zeros([], jnp.int32),
+                              buffer(dtype) if momentum is not None else None)
 
   def update_flat(plan, g, state, p):
-    lr = _learning_rate(learning_rate, state.count)
+    lr = _at(learning_rate, state.count)
     if decayed:
-      g = g + _decay(plan) * p
+      g = g + _decay(plan, _at(weight_decay, state.count)) * p
     trace = state.momentum
     if momentum is not None:
       trace = g + momentum * trace
@@ -399,52 +534,56 @@ def fused_sgd(learning_rate: ScalarOrSchedule, *, momentum: float | None = None,
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   def kernel(plan, gs, state, ps, flat, skip):
+    scalars = _scalars(_at(learning_rate, state.count), momentum,
+                       _at(weight_decay, state.count) if decayed else 0.0)
     (trace,), us = cpu_kernels.update(
-        "sgd", _learning_rate(learning_rate, state.count), (state.momentum,), gs,
-        ps if decayed else None, table=plan.table, flat=flat, skip=skip,
-        momentum=np.float32(momentum), nesterov=bool(nesterov), decayed=decayed)
+        "sgd", scalars, (state.momentum,), gs, ps if decayed else None, table=plan.table,
+        flat=flat, skip=skip, nesterov=nesterov, decayed=decayed)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   # Without momentum the update is one elementwise pass: XLA's fusion already is the floor.
-  return _make("fused_sgd", init_flat, update_flat, kernel if momentum is not None else None,
+  return _make("fused_sgd", init_state, update_flat, kernel if momentum is not None else None,
                plan_for, layout, needs_params=decayed)
 
 
 # ----------------------------------------------------------------------------- LARS
 
 
-def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
-               weight_decay_mask: Any = True, trust_coefficient: float = 0.001, eps: float = 0.0,
-               trust_ratio_mask: Any = True, momentum: float = 0.9, nesterov: bool = False,
-               layout: FlatLayout | None = None) -> optax.GradientTransformation:
+def fused_lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
+               weight_decay_mask: Any = True, trust_coefficient: Scalar = 0.001,
+               eps: Scalar = 0.0, trust_ratio_mask: Any = True, momentum: Scalar = 0.9,
+               nesterov: bool = False, *, layout: FlatLayout | None = None
+               ) -> optax.GradientTransformationExtraArgs:
   """`optax.lars`, fused: weight decay, per-layer trust ratio, learning rate, then momentum.
 
   Args:
-    learning_rate: a float >= 0 or an optax schedule.
-    weight_decay: >= 0; weight_decay_mask: which leaves get it (bool, tree, prefix or callable).
+    learning_rate: >= 0 (a number or scalar array) or an optax schedule.
+    weight_decay: >= 0 or a schedule; weight_decay_mask: which leaves get it (bool, tree,
+      prefix or callable).
     trust_coefficient: >= 0, multiplies ||param|| / (||update|| + eps); eps >= 0.
     trust_ratio_mask: which leaves get the trust ratio (the others keep ratio 1).
     momentum: trace decay in [0, 1); nesterov: Nesterov momentum.
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
-  weight_decay = _check_number("weight_decay", weight_decay, 0.0)
-  trust_coefficient = _check_number("trust_coefficient", trust_coefficient, 0.0)
-  eps = _check_number("eps", eps, 0.0)
-  momentum = _check_number("momentum", momentum, 0.0, 1.0)
+  weight_decay = _check_lr(weight_decay, "weight_decay")
+  trust_coefficient = _check_scalar("trust_coefficient", trust_coefficient, 0.0)
+  eps = _check_scalar("eps", eps, 0.0)
+  momentum = _check_scalar("momentum", momentum, 0.0, 1.0)
   weight_decay_mask = _check_mask("weight_decay_mask", weight_decay_mask)
   trust_ratio_mask = _check_mask("trust_ratio_mask", trust_ratio_mask)
+  nesterov = bool(nesterov)
 
   def plan_for(lay: FlatLayout) -> _Plan:
-    return _make_plan(lay, weight_decay, weight_decay_mask, trust_ratio_mask,
+    return _make_plan(lay, weight_decay_mask, trust_ratio_mask,
                       decay_mask_name="weight_decay_mask")
 
-  def init_flat(plan: _Plan) -> FusedMomentumState:
-    return FusedMomentumState(jnp.zeros([], jnp.int32), _zeros(plan))
+  def init_state(buffer) -> FusedMomentumState:
+    return FusedMomentumState(jnp.zeros([], jnp.int32), buffer(np.dtype(np.float32)))
 
   def update_flat(plan, g, state, p):
-    lr = _learning_rate(learning_rate, state.count)
-    decay = _decay(plan)
+    lr = _at(learning_rate, state.count)
+    decay = _decay(plan, _at(weight_decay, state.count))
     param_norm, update_norm = _leaf_norms(plan, p, g + decay * p)
     ratio = _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
     u = (g + decay * p) * (ratio * -lr)
@@ -453,125 +592,143 @@ def fused_lars(learning_rate: ScalarOrSchedule, *, weight_decay: float = 0.0,
     return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
   def kernel(plan, gs, state, ps, flat, skip):
+    scalars = _scalars(_at(learning_rate, state.count), momentum,
+                       _at(weight_decay, state.count), trust_coefficient, eps)
     (trace,), us = cpu_kernels.update(
-        "lars", _learning_rate(learning_rate, state.count), (state.momentum,), gs, ps,
-        table=plan.table, flat=flat, skip=skip,
-        momentum=np.float32(momentum), nesterov=bool(nesterov),
-        trust_coefficient=np.float32(trust_coefficient), eps=np.float32(eps))
+        "lars", scalars, (state.momentum,), gs, ps, table=plan.table, flat=flat, skip=skip,
+        nesterov=nesterov)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
-  return _make("fused_lars", init_flat, update_flat, kernel, plan_for, layout, needs_params=True)
+  return _make("fused_lars", init_state, update_flat, kernel, plan_for, layout, needs_params=True)
 
 
 # ----------------------------------------------------------------------------- Adam family
 
 
-def _check_adam(b1: float, b2: float, eps: float, eps_root: float) -> tuple[float, ...]:
-  return (_check_number("b1", b1, 0.0, 1.0), _check_number("b2", b2, 0.0, 1.0),
-          _check_number("eps", eps, 0.0), _check_number("eps_root", eps_root, 0.0))
+def _check_adam(b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar) -> tuple[Scalar, ...]:
+  return (_check_scalar("b1", b1, 0.0, 1.0), _check_scalar("b2", b2, 0.0, 1.0),
+          _check_scalar("eps", eps, 0.0), _check_scalar("eps_root", eps_root, 0.0))
 
 
-def _adam_scalars(lr: jax.Array, count_inc: jax.Array, b1: float, b2: float) -> jax.Array:
-  """float32[3]: the learning rate and both bias corrections 1 / (1 - b**count), from one
-  tiny kernel (fewer launches)."""
-  inv = 1.0 / (1.0 - jnp.asarray([b1, b2], jnp.float32) ** count_inc.astype(jnp.float32))
-  return jnp.concatenate([jnp.reshape(lr, (1,)), inv])
+def _adam_scalars(lr: jax.Array, count_inc: jax.Array, b1: Scalar, b2: Scalar,
+                  nesterov: bool) -> jax.Array:
+  """float32[4]: the learning rate and the bias-correction factors (cm, cv, cg) of
+  `m * cm + g * cg` and `v * cv` (optax.scale_by_adam's mu_hat and nu_hat), from one tiny kernel
+  (fewer launches)."""
+  t = count_inc.astype(jnp.float32)
+  b1, b2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+  cv = 1.0 / (1.0 - b2 ** t)
+  if nesterov:
+    cm, cg = b1 / (1.0 - b1 ** (t + 1.0)), (1.0 - b1) / (1.0 - b1 ** t)
+  else:
+    cm, cg = 1.0 / (1.0 - b1 ** t), jnp.zeros([], jnp.float32)
+  return jnp.stack([jnp.asarray(lr, jnp.float32), cm, cv, cg])
 
 
-def _adam_step(plan: _Plan, mu, nu, scalars, eps, eps_root):
+def _adam_step(plan: _Plan, mu, nu, g, scalars, eps, eps_root, nesterov: bool):
   """optax.scale_by_adam's direction from the updated moments, float32[padded_size]."""
-  u = (mu * scalars[1]) / (jnp.sqrt(nu * scalars[2] + eps_root) + eps)
-  if eps == 0.0 and eps_root == 0.0:
-    # 0/0 in the padding would poison the per-leaf norms; real values keep optax's behaviour.
+  m = mu * scalars[1] + g * scalars[3] if nesterov else mu * scalars[1]
+  u = m / (jnp.sqrt(nu * scalars[2] + eps_root) + eps)
+  if not (isinstance(eps, float) and isinstance(eps_root, float)) or eps == eps_root == 0.0:
+    # 0/0 in the padding would poison the per-leaf norms (eps and eps_root may be 0 when traced);
+    # real values keep optax's behaviour.
     col = lax.rem(lax.iota(jnp.int32, u.shape[0]), jnp.int32(plan.layout.align))
     u = jnp.where(col < plan.expand(jnp.asarray(plan.valid_len)), u, 0.0)
   return u
 
 
-def _adam_moments(g, mu, nu, b1: float, b2: float):
-  """optax.scale_by_adam's moment updates, float32[padded_size]."""
-  return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * (g * g) + b2 * nu
+def _adam_moments(plan: _Plan, g, mu, nu, b1: Scalar, b2: Scalar):
+  """optax.scale_by_adam's moment updates, float32[padded_size] (|g|^2 for complex values)."""
+  return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * plan.pair_sum(g * g) + b2 * nu
 
 
-def _adam_attrs(b1: float, b2: float, eps: float, eps_root: float) -> dict[str, np.float32]:
-  return {"b1": np.float32(b1), "b2": np.float32(b2), "eps": np.float32(eps),
-          "eps_root": np.float32(eps_root)}
-
-
-def _adam_init(plan: _Plan) -> FusedAdamState:
-  return FusedAdamState(jnp.zeros([], jnp.int32), _zeros(plan), _zeros(plan))
-
-
-def fused_adamw(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
-                eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
-                mask: Any = None, layout: FlatLayout | None = None
-                ) -> optax.GradientTransformation:
+def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0.999,
+                eps: Scalar = 1e-8, eps_root: Scalar = 0.0, mu_dtype: Any = None,
+                weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
+                nesterov: bool = False, layout: FlatLayout | None = None
+                ) -> optax.GradientTransformationExtraArgs:
   """`optax.adamw`, fused: Adam direction plus decoupled weight decay, times -learning_rate.
 
   Args:
-    learning_rate: a float >= 0 or an optax schedule.
+    learning_rate: >= 0 (a number or scalar array) or an optax schedule.
     b1, b2: moment decays in [0, 1); eps, eps_root: >= 0, as in optax.scale_by_adam.
-    weight_decay: >= 0; mask: which leaves get it (bool tree, prefix or callable); None = all.
+    mu_dtype: storage dtype of the first moment (None: float32; complex: its parts' dtype).
+    weight_decay: >= 0 or a schedule; mask: which leaves get it (bool tree, prefix or
+      callable); None = all.
+    nesterov: Nesterov momentum (NAdamW), as optax.adamw(nesterov=True).
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
   b1, b2, eps, eps_root = _check_adam(b1, b2, eps, eps_root)
-  weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+  mu_dtype = _check_state_dtype("mu_dtype", mu_dtype)
+  weight_decay = _check_lr(weight_decay, "weight_decay")
   mask = _check_mask("mask", mask)
-  decayed = weight_decay > 0.0
+  decayed = not _is_zero(weight_decay)
+  nesterov = bool(nesterov)
 
   def plan_for(lay: FlatLayout) -> _Plan:
-    return _make_plan(lay, weight_decay, mask)
+    return _make_plan(lay, mask)
+
+  def init_state(buffer) -> FusedAdamState:
+    return FusedAdamState(jnp.zeros([], jnp.int32), buffer(mu_dtype),
+                          buffer(np.dtype(np.float32)))
 
   def update_flat(plan, g, state, p):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
-    mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
-    u = _adam_step(plan, mu, nu, scalars, eps, eps_root)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov)
+    mu, nu = _adam_moments(plan, g, state.mu, state.nu, b1, b2)
+    u = _adam_step(plan, mu, nu, g, scalars, eps, eps_root, nesterov)
     if decayed:
-      u = u + _decay(plan) * p
+      u = u + _decay(plan, _at(weight_decay, state.count)) * p
     return -scalars[0] * u, FusedAdamState(count_inc, mu, nu)
 
   def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov)
+    scalars = jnp.concatenate([scalars, _scalars(
+        b1, b2, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
-        flat=flat, skip=skip, **_adam_attrs(b1, b2, eps, eps_root), decayed=decayed)
+        flat=flat, skip=skip, decayed=decayed, nesterov=nesterov)
     return us, FusedAdamState(count_inc, mu, nu)
 
-  return _make("fused_adamw", _adam_init, update_flat, kernel, plan_for, layout,
-               needs_params=decayed)
+  return _make("fused_adamw", init_state, update_flat, kernel, plan_for, layout,
+               needs_params=decayed, pairs_matter=True)
 
 
-def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-6, eps_root: float = 0.0, weight_decay: float = 0.0,
-               mask: Any = None, layout: FlatLayout | None = None
-               ) -> optax.GradientTransformation:
+def fused_lamb(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0.999,
+               eps: Scalar = 1e-6, eps_root: Scalar = 0.0,
+               weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *,
+               layout: FlatLayout | None = None) -> optax.GradientTransformationExtraArgs:
   """`optax.lamb`, fused: Adam direction plus weight decay, per-layer trust ratio, learning rate.
 
   Args:
-    learning_rate: a float >= 0 or an optax schedule.
+    learning_rate: >= 0 (a number or scalar array) or an optax schedule.
     b1, b2: moment decays in [0, 1); eps, eps_root: >= 0.
-    weight_decay: >= 0; mask: which leaves get it (bool tree, prefix or callable); None = all.
+    weight_decay: >= 0 or a schedule; mask: which leaves get it (bool tree, prefix or
+      callable); None = all.
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
   b1, b2, eps, eps_root = _check_adam(b1, b2, eps, eps_root)
-  weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+  weight_decay = _check_lr(weight_decay, "weight_decay")
   mask = _check_mask("mask", mask)
 
   def plan_for(lay: FlatLayout) -> _Plan:
-    return _make_plan(lay, weight_decay, mask)
+    return _make_plan(lay, mask)
+
+  def init_state(buffer) -> FusedAdamState:
+    f32 = np.dtype(np.float32)
+    return FusedAdamState(jnp.zeros([], jnp.int32), buffer(f32), buffer(f32))
 
   def update_flat(plan, g, state, p):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
-    decay = _decay(plan)
-    mu, nu = _adam_moments(g, state.mu, state.nu, b1, b2)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, False)
+    decay = _decay(plan, _at(weight_decay, state.count))
+    mu, nu = _adam_moments(plan, g, state.mu, state.nu, b1, b2)
 
     def direction(mu, nu, p):
-      return _adam_step(plan, mu, nu, scalars, eps, eps_root) + decay * p
+      return _adam_step(plan, mu, nu, None, scalars, eps, eps_root, False) + decay * p
 
     # The moments are written once; the direction is recomputed from them in the norm pass and
     # in the final pass instead of being materialised (the barrier stops XLA from sharing it):
@@ -584,11 +741,12 @@ def fused_lamb(learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 
 
   def kernel(plan, gs, state, ps, flat, skip):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_learning_rate(learning_rate, state.count), count_inc, b1, b2)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, False)
+    scalars = jnp.concatenate([scalars, _scalars(b1, b2, eps, eps_root,
+                                                 _at(weight_decay, state.count))])
     (mu, nu), us = cpu_kernels.update(
-        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat, skip=skip,
-        **_adam_attrs(b1, b2, eps, eps_root))
+        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat, skip=skip)
     return us, FusedAdamState(count_inc, mu, nu)
 
-  return _make("fused_lamb", _adam_init, update_flat, kernel, plan_for, layout, needs_params=True)
-
+  return _make("fused_lamb", init_state, update_flat, kernel, plan_for, layout,
+               needs_params=True, pairs_matter=True)

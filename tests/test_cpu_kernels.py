@@ -42,6 +42,8 @@ CASES = {
                               nesterov=True),
     "adamw": dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=NO_BIAS),
     "adamw-nodecay-eps0": dict(learning_rate=0.01, weight_decay=0.0, eps=0.0, eps_root=1e-8),
+    "adamw-nesterov": dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=NO_BIAS,
+                           nesterov=True),
     "lamb": dict(learning_rate=SCHEDULE, weight_decay=1e-2, mask=NO_BIAS),
 }
 FACTORY = {"sgd": optim.fused_sgd, "lars": optim.fused_lars, "adamw": optim.fused_adamw,

@@ -8,10 +8,11 @@ import numpy as np
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def run_first_python_block(heading: str) -> dict:
-  """Executes the first ```python block after `heading` in the README; returns its namespace."""
+def run_first_python_block(heading: str, index: int = 0) -> dict:
+  """Executes the first (or `index`-th) ```python block after `heading` in the README; returns
+  its namespace."""
   text = README.read_text()
-  code = re.search(r"```python\n(.*?)```", text[text.index(heading):], re.S).group(1)
+  code = re.findall(r"```python\n(.*?)```", text[text.index(heading):], re.S)[index]
   ns: dict = {}
   exec(compile(code, "README.md", "exec"), ns)
   return ns
@@ -35,3 +36,22 @@ def test_readme_fused_optimizer_example_matches_optax():
   assert max(diff) < 1e-7
   pytree = ns["jax"].tree.leaves(ns["updates"])
   assert all(np.all(np.isfinite(np.asarray(u))) for u in pytree)
+
+
+def _trained(ns: dict, losses_shape: tuple) -> None:
+  losses = np.asarray(ns["losses"])
+  assert losses.shape == losses_shape
+  np.testing.assert_allclose(losses, losses.reshape(-1)[0])  # identical on every worker
+  assert losses.reshape(-1)[0] < 1.0  # the initial loss is exactly 1 (zero params, targets 1)
+
+
+def test_readme_one_axis_pmap_example_trains():
+  ns = run_first_python_block("### Use in your own step: one axis", 0)
+  _trained(ns, (8,))
+  w = np.asarray(ns["params"]["w"])
+  assert w.shape == (8, 37, 11) and np.all(w == w[0])  # the replicas stay identical
+
+
+def test_readme_one_axis_shard_map_example_accumulates():
+  ns = run_first_python_block("### Use in your own step: one axis", 1)
+  _trained(ns, (8,))

@@ -11,10 +11,12 @@
 //         between them;
 //   tree: one float32 buffer per leaf for the gradient, the params and the updates (the optax
 //         drop-in face: no ravel into a flat buffer and back); padding segments are skipped.
-// The optimizer state is always flat (one buffer per moment, laid out by `starts`). `decay`
-// (float[S]) is each segment's weight decay (0 where masked and in padding); `flags` (int32[S]):
-// bit 0 set for a real parameter tensor, bit 1 where the trust ratio applies. Traced scalars
-// (learning rate, bias corrections, and last the skip flag) come in a small float32 buffer.
+// The optimizer state is always flat (one buffer per moment, laid out by `starts`).
+// `decay_mask` (float[S]) multiplies the weight decay of each segment (1 where it applies, 0 where
+// masked and in padding); `flags` (int32[S]): bit 0 set for a real parameter tensor, bit 1 where
+// the trust ratio applies. Every hyperparameter is a traced scalar (so that optax's
+// inject_hyperparams can change it without recompiling): they come in a small float32 buffer, in
+// the order each kernel's `*Impl` documents, the skip flag last.
 //
 // Operands: scalars, then the state buffers, the gradient leaves, the param leaves (when the
 // update reads params). Results: the new state buffers (aliased to the old ones), then the
@@ -207,8 +209,8 @@ void TwoPass(ffi::ThreadPool& pool, const std::vector<Seg>& segs, Norms norms, A
 // the param leaves when `has_params`; results: the new state, then the update leaves.
 ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
                   ffi::Span<const int64_t> starts, ffi::Span<const float> decay,
-                  ffi::Span<const int32_t> flags, int num_state, bool has_params, bool flat,
-                  std::vector<Seg>* segs) {
+                  ffi::Span<const int32_t> flags, float weight_decay, int num_state,
+                  bool has_params, bool flat, std::vector<Seg>* segs) {
   const int64_t num_segments = static_cast<int64_t>(starts.size()) - 1;
   if (num_segments < 1 || static_cast<int64_t>(decay.size()) != num_segments ||
       static_cast<int64_t>(flags.size()) != num_segments || starts[0] != 0) {
@@ -259,7 +261,7 @@ ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
                                          std::to_string(want));
     }
     Seg seg{g->typed_data() + at, nullptr, (*u)->typed_data() + at, {nullptr, nullptr},
-            {nullptr, nullptr}, n, decay[s], flags[s]};
+            {nullptr, nullptr}, n, weight_decay * decay[s], flags[s]};
     if (has_params) {
       auto p = args.get<ffi::Buffer<ffi::F32>>(num_state + leaves + j);
       if (p.has_error()) return p.error();
@@ -273,6 +275,15 @@ ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
       seg.out[i] = out[i] + lo;
     }
     segs->push_back(seg);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckScalars(ffi::Buffer<ffi::F32>& scalars, int64_t want) {
+  if (static_cast<int64_t>(scalars.element_count()) != want) {
+    return ffi::Error::InvalidArgument("fused update: expected " + std::to_string(want) +
+                                       " traced scalars, got " +
+                                       std::to_string(scalars.element_count()));
   }
   return ffi::Error::Success();
 }
@@ -308,16 +319,20 @@ void SgdRange(const Seg& s, int64_t lo, int64_t hi, float lr, float momentum, bo
   }
 }
 
+// Scalars: learning rate, momentum, weight decay, skip.
 ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                    ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
                    ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
-                   float momentum, bool nesterov, bool decayed) {
+                   bool nesterov, bool decayed) {
+  if (auto e = CheckScalars(scalars, 4); e.failure()) return e;
+  const float* sc = scalars.typed_data();
+  const float lr = sc[0], momentum = sc[1];
   std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, 1, decayed, flat, &segs); e.failure()) {
+  if (auto e = Decode(args, rets, starts, decay, flags, sc[2], 1, decayed, flat, &segs);
+      e.failure()) {
     return e;
   }
   if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
-  const float lr = scalars.typed_data()[0];
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (decayed) {
       SgdRange<true>(s, lo, hi, lr, momentum, nesterov);
@@ -330,16 +345,20 @@ ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Rem
 
 // ---------------------------------------------------------------------------------------- LARS
 // v = g + decay * p; r = trust ratio of (p, v) per segment; v *= r * -lr; then momentum as SGD.
+// Scalars: learning rate, momentum, weight decay, trust coefficient, eps, skip.
 ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                     ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
                     ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
-                    float momentum, bool nesterov, float trust_coefficient, float eps) {
+                    bool nesterov) {
+  if (auto e = CheckScalars(scalars, 6); e.failure()) return e;
+  const float* sc = scalars.typed_data();
+  const float lr = sc[0], momentum = sc[1], trust_coefficient = sc[3], eps = sc[4];
   std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, 1, true, flat, &segs); e.failure()) {
+  if (auto e = Decode(args, rets, starts, decay, flags, sc[2], 1, true, flat, &segs);
+      e.failure()) {
     return e;
   }
   if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
-  const float lr = scalars.typed_data()[0];
   auto norms = [&](const Seg& s, int64_t lo, int64_t hi, double* pn2, double* un2) {
     const float* g = s.g;
     const float* p = s.p;
@@ -371,13 +390,22 @@ ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
 }
 
 // ---------------------------------------------------------------------------------------- Adam
+// cm, cg: the first moment's bias-corrected estimate is m * cm (cm = 1 / (1 - b1**t)), with
+// Nesterov m * cm + g * cg (cm = b1 / (1 - b1**(t + 1)), cg = (1 - b1) / (1 - b1**t));
+// cv = 1 / (1 - b2**t). LAMB has no Nesterov form (cg = 0, unused).
 struct Adam {
-  float b1, b2, eps, eps_root, inv1, inv2;  // inv1, inv2: the bias corrections 1 / (1 - b**count)
+  float b1, b2, eps, eps_root, cm, cv, cg;
+  // Scalars: learning rate, cm, cv, cg, b1, b2, eps, eps_root, weight decay, skip.
+  static Adam From(const float* sc) { return Adam{sc[4], sc[5], sc[6], sc[7], sc[1], sc[2], sc[3]}; }
   inline float Mu(float g, float mu) const { return (1.0f - b1) * g + b1 * mu; }
   inline float Nu(float g, float nu) const { return (1.0f - b2) * (g * g) + b2 * nu; }
   // optax.scale_by_adam's direction from the updated moments.
   inline float Direction(float m, float v) const {
-    return (m * inv1) / (std::sqrt(v * inv2 + eps_root) + eps);
+    return (m * cm) / (std::sqrt(v * cv + eps_root) + eps);
+  }
+  // The same with Nesterov momentum (reads the gradient too).
+  inline float NesterovDirection(float m, float g, float v) const {
+    return (m * cm + g * cg) / (std::sqrt(v * cv + eps_root) + eps);
   }
 };
 
@@ -399,7 +427,7 @@ void MomentsOnly(const Adam& adam, const Seg& s, int64_t lo, int64_t hi) {
 }
 
 // AdamW: u = -lr * (adam(g) + decay * p); p is not read when kDecayed is false.
-template <bool kDecayed>
+template <bool kDecayed, bool kNesterov>
 void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr) {
   const float* g = s.g;
   const float* p = s.p;
@@ -414,7 +442,7 @@ void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr
     const float m = adam.Mu(g[i], m_in[i]), v = adam.Nu(g[i], v_in[i]);
     m_out[i] = m;
     v_out[i] = v;
-    const float step = adam.Direction(m, v);
+    const float step = kNesterov ? adam.NesterovDirection(m, g[i], v) : adam.Direction(m, v);
     u[i] = -lr * (kDecayed ? step + d * p[i] : step);
   }
 }
@@ -422,22 +450,30 @@ void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr
 ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
                      ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
-                     float b1, float b2, float eps, float eps_root, bool decayed) {
+                     bool decayed, bool nesterov) {
+  if (auto e = CheckScalars(scalars, 10); e.failure()) return e;
+  const float* sc = scalars.typed_data();
+  const float lr = sc[0];
+  const Adam adam = Adam::From(sc);
   std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, 2, decayed, flat, &segs); e.failure()) {
+  if (auto e = Decode(args, rets, starts, decay, flags, sc[8], 2, decayed, flat, &segs);
+      e.failure()) {
     return e;
   }
   if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
-  const float* sc = scalars.typed_data();
-  const float lr = sc[0];
-  const Adam adam{b1, b2, eps, eps_root, sc[1], sc[2]};
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (!(s.flags & kReal)) {
       MomentsOnly(adam, s, lo, hi);
+    } else if (nesterov) {
+      if (decayed) {
+        AdamwRange<true, true>(adam, s, lo, hi, lr);
+      } else {
+        AdamwRange<false, true>(adam, s, lo, hi, lr);
+      }
     } else if (decayed) {
-      AdamwRange<true>(adam, s, lo, hi, lr);
+      AdamwRange<true, false>(adam, s, lo, hi, lr);
     } else {
-      AdamwRange<false>(adam, s, lo, hi, lr);
+      AdamwRange<false, false>(adam, s, lo, hi, lr);
     }
   });
   return ffi::Error::Success();
@@ -447,16 +483,17 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
 // The first pass writes the moments and w (into u) and sums the squares; the second scales u.
 ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                     ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
-                    ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
-                    float b1, float b2, float eps, float eps_root) {
+                    ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat) {
+  if (auto e = CheckScalars(scalars, 10); e.failure()) return e;
+  const float* sc = scalars.typed_data();
+  const float lr = sc[0];
+  const Adam adam = Adam::From(sc);
   std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, 2, true, flat, &segs); e.failure()) {
+  if (auto e = Decode(args, rets, starts, decay, flags, sc[8], 2, true, flat, &segs);
+      e.failure()) {
     return e;
   }
   if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
-  const float* sc = scalars.typed_data();
-  const float lr = sc[0];
-  const Adam adam{b1, b2, eps, eps_root, sc[1], sc[2]};
   auto norms = [&](const Seg& s, int64_t lo, int64_t hi, double* pn2, double* un2) {
     *pn2 = *un2 = 0.0;
     if (!(s.flags & kReal)) {
@@ -501,30 +538,17 @@ ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Re
       .RemainingArgs()                                                             \
       .RemainingRets()                                                             \
       .Attr<ffi::Span<const int64_t>>("starts")                                    \
-      .Attr<ffi::Span<const float>>("decay")                                       \
+      .Attr<ffi::Span<const float>>("decay_mask")                                  \
       .Attr<ffi::Span<const int32_t>>("flags")                                     \
       .Attr<bool>("flat")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedSgd, SgdImpl,
-                              SPARSEJAX_BIND.Attr<float>("momentum")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("decayed"));
+                              SPARSEJAX_BIND.Attr<bool>("nesterov").Attr<bool>("decayed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedLars, LarsImpl,
-                              SPARSEJAX_BIND.Attr<float>("momentum")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<float>("trust_coefficient")
-                                  .Attr<float>("eps"));
+                              SPARSEJAX_BIND.Attr<bool>("nesterov"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedAdamw, AdamwImpl,
-                              SPARSEJAX_BIND.Attr<float>("b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("eps_root")
-                                  .Attr<bool>("decayed"));
+                              SPARSEJAX_BIND.Attr<bool>("decayed").Attr<bool>("nesterov"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedLamb, LambImpl,
-                              SPARSEJAX_BIND.Attr<float>("b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("eps_root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxFusedLamb, LambImpl, SPARSEJAX_BIND);
