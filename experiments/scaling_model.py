@@ -390,12 +390,14 @@ def tta_model_size(tta: dict[str, Any]) -> int:
   import jax
 
   from experiments.time_to_accuracy import load_task
-  from sparsejax import models
+  from sparsejax import data, models
   meta = tta["meta"]
   config = load_task(meta["config"], meta["sets"])
-  model = models.build(config.model.name, num_classes=10,
+  inputs = data.open_inputs(config)
+  model = models.build(config.model.name, num_classes=inputs.num_classes,
                        **({"hidden": tuple(config.model.hidden)} if config.model.hidden else {}))
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 28, 28, 1))))
+  example = inputs.example(None)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), example))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
 
 

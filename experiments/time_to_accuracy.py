@@ -46,6 +46,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -416,6 +417,37 @@ def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict
                           what=f"{mode} {system}", torch=runtime == "torch")
 
 
+class RunTimeout(Exception):
+  """A process run outlived --run-timeout."""
+
+
+def _alarm(signum, frame):
+  raise RunTimeout
+
+
+def _run_with_retry(c, system: str, seed: int, args, extra: list[str], log,
+                    headline_bps: int | None) -> dict | None:
+  """One process run (train + sweep) of `system`, at most `--run-timeout` s; a crashed or hung
+  run is run once more (and marked), a second failure is recorded by the caller, not raised."""
+  for attempt in range(2):
+    c.set_rate(headline_bps)  # whatever a failed sweep left behind
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(args.run_timeout)
+    try:
+      row = _launch(c, "run", system, args, extra, log)[0]
+      if attempt:
+        row["retried"] = True
+      return row
+    except (RuntimeError, RunTimeout) as e:
+      why = "timed out" if isinstance(e, RunTimeout) else f"failed ({e})"
+      print(f"{system} seed {seed} {why}" + ("; running it again" if not attempt else ""),
+            flush=True)
+    finally:
+      signal.alarm(0)
+      signal.signal(signal.SIGALRM, old)
+  return None
+
+
 def run_parity(args, log) -> list[dict]:
   """Alternated JAX / PyTorch compute-only process runs; a ratio per round."""
   import tempfile
@@ -500,11 +532,40 @@ def analyse(results: dict, target: float) -> dict:
         vals.append(t)
       tta[bw] = vals
     entry["predicted_time_to_target_s"] = tta
+    compute = _compute_s(results, "torch" if system.startswith("torch") else "jax")
+    at_unlimited = [row["step_s"] for row in sweep if row["system"] == system
+                    and row["bandwidth"] == "unlimited"
+                    and row["density"] == min(x["density"] for x in sweep
+                                              if x["system"] == system)]
+    if compute and at_unlimited:
+      step = statistics.median(at_unlimited)
+      entry["unlimited_step_s"] = step
+      entry["exchange_share_unlimited"] = max(0.0, step - compute) / step
     headline = results["meta"]["headline"]
     if headline in tta:
       entry["measured_over_predicted_at_headline"] = [
           s["train_time_to_target_s"] / p if p else None for s, p in zip(seeds, tta[headline])]
     out[system] = entry
+  return out
+
+
+def _compute_s(results: dict, runtime: str = "jax") -> float | None:
+  """The compute-only step of `runtime` in the parity phase (median over its rounds)."""
+  if not results.get("parity"):
+    return None
+  return statistics.median(r[runtime]["step_s"] for r in results["parity"])
+
+
+def speedups(analysis: dict, over: str) -> dict[str, dict[str, list[float]]]:
+  """system -> bandwidth -> [time to target of `over` / the system's], per seed."""
+  base = analysis.get(over)
+  if base is None:
+    return {}
+  out: dict[str, dict[str, list[float]]] = {}
+  for system, e in analysis.items():
+    for bw, vals in e["predicted_time_to_target_s"].items():
+      ref = base["predicted_time_to_target_s"].get(bw, [])
+      out.setdefault(system, {})[bw] = [r / v for r, v in zip(ref, vals) if r and v]
   return out
 
 
@@ -519,6 +580,7 @@ def _fmt_range(values: list[float | None], scale: float = 1.0, digits: int = 1) 
 
 
 def make_tables(results: dict, analysis: dict, headline: str) -> str:
+  """The markdown tables: parity, the training runs at the headline, the bandwidth sweep."""
   lines = []
   if results.get("parity"):
     ratios = [r["jax_over_torch"] for r in results["parity"]]
@@ -558,6 +620,26 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
       for system, e in analysis.items():
         cells = [_fmt_range(e["predicted_time_to_target_s"].get(b, [None])) for b in have]
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
+      for over in ("dense", "torch-ddp"):
+        ups = speedups(analysis, over)
+        if not ups:
+          continue
+        lines += ["", f"Speed-up in time to target over {over} (its time / the system's, per seed:"
+                  " min / median / max):", "",
+                  "| system | " + " | ".join(have) + " |", "|---|" + "---:|" * len(have)]
+        for system, by in ups.items():
+          if system != over:
+            lines.append(f"| {system} | " + " | ".join(
+                _fmt_range(by.get(b, []), digits=2) + "x" for b in have) + " |")
+    shares = {s: e for s, e in analysis.items() if "exchange_share_unlimited" in e}
+    if shares:
+      lines += ["", "At an unlimited link: step time at the final density, and the share of it "
+                "that is not compute (the parity phase's step of the same runtime): selection, "
+                "error feedback, scatter-add, the collective's CPU work:", "",
+                "| system | step ms | exchange share |", "|---|---:|---:|"]
+      for system, e in shares.items():
+        lines.append(f"| {system} | {e['unlimited_step_s'] * 1e3:.1f} | "
+                     f"{100 * e['exchange_share_unlimited']:.0f}% |")
   m = results["meta"]
   lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
             f"date: {m['date']}."]
@@ -634,11 +716,15 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--phases", default="parity,runs")
+  ap.add_argument("--run-timeout", type=int, default=900,
+                  help="seconds one process run (train + sweep) may take")
   ap.add_argument("--lock", help="a file to flock around each process run (benchmarks that "
                   "share the machine and the file take turns)")
   ap.add_argument("--quick", action="store_true",
                   help="CI smoke run: tiny MLP, few steps, dense/hitopk-0.01/torch-ddp, 1 seed")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "time_to_accuracy.json"))
+  ap.add_argument("--from-results", metavar="JSON",
+                  help="no runs: analyse a results file again, writing --out's table and plot")
   # worker-only arguments
   ap.add_argument("--mode", choices=("driver", "run", "parity"), default="driver",
                   help=argparse.SUPPRESS)
@@ -660,7 +746,24 @@ def main(argv=None) -> int:
   return drive(ap, args)
 
 
+def report(results: dict, out: str) -> None:
+  """Analysis, table (printed and beside `out`), JSON and plot."""
+  target = results["meta"]["target"]
+  results["exchange_over_compute"] = exchange_over_compute(results)
+  results["analysis"] = analysis = analyse(results, target)
+  table = make_tables(results, analysis, results["meta"]["headline"])
+  print(table)
+  write_results(out, results, table)
+  if analysis:
+    plot(results, analysis, os.path.splitext(out)[0] + ".png")
+  print(f"wrote {out}")
+
+
 def drive(ap, args) -> int:
+  if args.from_results:
+    with open(args.from_results) as f:
+      report(json.load(f), args.out)
+    return 0
   if args.quick:
     args.sets = QUICK_SETS + args.sets
     args.systems = args.systems or "dense,hitopk-0.01,torch-ddp"
@@ -712,12 +815,10 @@ def drive(ap, args) -> int:
                    json.dumps(headline[1]), "--levels",
                    json.dumps(level_steps(cfg, steps_per_epoch, total)), "--cluster-prefix",
                    c.prefix, "--warmup", str(args.warmup), "--reps", str(args.reps)]
-          try:
-            row = _launch(c, "run", system, args, extra, log)[0]
-          except RuntimeError as e:  # a crashed worker: once more, and the retry is recorded
-            print(f"{system} seed {seed} failed ({e}); running it again", flush=True)
-            row = _launch(c, "run", system, args, extra, log)[0]
-            row["retried"] = True
+          row = _run_with_retry(c, system, seed, args, extra, log, headline[1])
+          if row is None:
+            results.setdefault("failed", []).append({"system": system, "seed": seed})
+            continue
           results["sweep"] += row.pop("sweep")
           dens = density_per_step(cfg, steps_per_epoch, total)
           hit = steps_to_target(row["curve"], config.target_value)
@@ -726,15 +827,8 @@ def drive(ap, args) -> int:
             row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]
           results["train"].append(row)
           print(json.dumps({"system": system, "seed": seed, "reached": hit}), flush=True)
-  results["exchange_over_compute"] = exchange_over_compute(results)
-  analysis = analyse(results, config.target_value)
-  results["analysis"] = analysis
-  table = make_tables(results, analysis, args.headline)
-  print(table)
-  write_results(args.out, results, table)
-  if analysis:
-    plot(results, analysis, os.path.splitext(args.out)[0] + ".png")
-  print(f"wrote {args.out}")
+          write_results(args.out + ".partial", results, "partial: not analysed yet")
+  report(results, args.out)
   return 0
 
 

@@ -493,7 +493,7 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
 
 def fused_sgd(learning_rate: ScalarOrSchedule, momentum: Scalar | None = None,
               nesterov: bool = False, accumulator_dtype: Any = None, *,
-              weight_decay: ScalarOrSchedule = 0.0, weight_decay_mask: Any = None,
+              weight_decay: ScalarOrSchedule | None = None, weight_decay_mask: Any = None,
               layout: FlatLayout | None = None) -> optax.GradientTransformationExtraArgs:
   """`optax.chain(optax.add_decayed_weights(weight_decay, weight_decay_mask), optax.sgd(...))`.
 
@@ -503,13 +503,17 @@ def fused_sgd(learning_rate: ScalarOrSchedule, momentum: Scalar | None = None,
     nesterov: Nesterov momentum.
     accumulator_dtype: storage dtype of the momentum buffer (None: float32; a complex dtype
       means its parts' dtype, since complex values are stored as pairs of reals).
-    weight_decay: coupled weight decay (added to the gradient), >= 0, or a schedule.
+    weight_decay: coupled weight decay (added to the gradient), >= 0, or a schedule; None (the
+      default) = none, which stays static under `optax.inject_hyperparams` (a 0.0 default would
+      arrive there as an array, and `update` would then need params, unlike `optax.sgd`).
     weight_decay_mask: which leaves get weight decay (bool tree, prefix or callable); None = all.
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
   if momentum is not None:
     momentum = _check_scalar("momentum", momentum, 0.0, 1.0)
+  if weight_decay is None:
+    weight_decay = 0.0
   weight_decay = _check_lr(weight_decay, "weight_decay")
   weight_decay_mask = _check_mask("weight_decay_mask", weight_decay_mask)
   dtype = _check_state_dtype("accumulator_dtype", accumulator_dtype)

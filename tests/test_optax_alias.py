@@ -21,6 +21,7 @@ import optax
 import pytest
 from jax import lax
 
+import sparsejax as sj
 from sparsejax import cpu_kernels, optim
 
 FUSED = {"sgd": optim.fused_sgd, "adamw": optim.fused_adamw, "lars": optim.fused_lars,
@@ -441,3 +442,21 @@ def test_per_step_updates_match_optax(name, kwargs):
     assert np.all(np.abs(got - want) <= 1e-5 * scale), (
         f"{target.__name__} {jnp.dtype(dtype).name}: max relative error "
         f"{np.max(np.abs(got - want) / scale)}")
+
+
+def test_fused_sgd_under_inject_hyperparams_needs_no_params_like_optax_sgd():
+  """inject_hyperparams turns every numeric default into an array; weight decay's default must
+  stay 'none' there, so `update(g, state)` runs without params, as optax.sgd's does."""
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+  grads = jax.tree.map(lambda p: 0.5 * p + 1.0, params)
+  for face in ("pytree", "flat"):
+    layout = sj.FlatLayout.from_tree(params) if face == "flat" else None
+    g = layout.ravel(grads) if layout else grads
+    ours = optax.inject_hyperparams(sj.fused_sgd)(learning_rate=0.1, momentum=0.9, layout=layout)
+    want = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    p0 = layout.ravel(params) if layout else params
+    got, _ = ours.update(g, ours.init(p0))  # no params
+    ref, _ = want.update(grads, want.init(params))
+    got = layout.unravel(got) if layout else got
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)

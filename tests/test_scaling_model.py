@@ -53,3 +53,28 @@ def test_missing_inputs_are_named(tmp_path, capsys):
   with pytest.raises(SystemExit):
     sm.main(["--comm", str(tmp_path / "none.json")])
   assert "bench_comm.py" in capsys.readouterr().err
+
+
+def test_time_to_accuracy_section_fits_the_link_bound_runs(tmp_path):
+  out = tmp_path / "scaling_model.json"
+  assert sm.main(["--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  cal = got["time_to_accuracy_calibration"]
+  rows = cal["rows"]
+  assert {r["bandwidth"] for r in rows if not r["held_out"]} == set(sm.TTA_FITTED)
+  assert cal["held_out_rows"] == sum(r["held_out"] for r in rows) > 0
+  assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rows)
+  # the model's link bytes follow the interface counter (dense rows, limited links)
+  for r in rows:
+    if r["algorithm"] == "dense" and r["rate_bps"]:
+      assert r["link_bytes_model"] == pytest.approx(r["link_bytes"], rel=0.1)
+  proj = got["time_to_accuracy_projection"]["rows"]
+  assert {r["cluster"] for r in proj} == {name for name, _, _ in sm.PROJECTED_CLUSTERS}
+  by = {(r["cluster"], r["algorithm"]): r for r in proj}
+  for name, _, _ in sm.PROJECTED_CLUSTERS:
+    assert by[(name, "dense")]["vs_dense"] == pytest.approx(1.0)
+  # a slower network makes the same cluster's dense exchange a larger share of the step
+  slow, fast = sm.PROJECTED_CLUSTERS[1][0], sm.PROJECTED_CLUSTERS[2][0]
+  assert by[(slow, "dense")]["exchange_over_compute"] > by[(fast, "dense")]["exchange_over_compute"]
+  md = (tmp_path / "scaling_model.md").read_text()
+  assert "### 3. The link-bound time-to-accuracy runs" in md
