@@ -319,6 +319,28 @@ def test_two_processes_writing_one_directory_keep_the_byte_count_exact(tmp_path)
   assert fresh.stats()["disk"]["bytes"] == on_disk
 
 
+def test_records_deleted_behind_the_ledgers_back_are_recounted_and_writing_goes_on(tmp_path):
+  """The ledger overcounts once records vanish without it (a user's rm): a write that finds no
+  victim left while still over budget counts the directory again instead of refusing forever."""
+  budget = 8000
+  first = TieredCache(Source(40), memory_bytes=1, disk_dir=tmp_path, disk_bytes=budget)
+  for i in range(40):
+    first[i]
+  assert first.stats()["disk"]["bytes"] > budget - 1000
+  for path in disk_files(tmp_path):
+    os.remove(path)
+  for cache in (first, TieredCache(Source(40, seed=1), memory_bytes=1, disk_dir=tmp_path,
+                                   disk_bytes=budget)):
+    before = cache.stats()["disk"]["bytes_written"]
+    for i in range(40):  # past the budget (the old code refused every one of these writes)
+      cache[i]
+    s = cache.stats()["disk"]
+    assert s["bytes_written"] > before and s["write_errors"] == 0
+    assert 0 < s["bytes"] == sum(disk_files(tmp_path).values()) <= budget
+    for path in disk_files(tmp_path):
+      os.remove(path)
+
+
 def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damaged(tmp_path):
   cache = TieredCache(Source(12), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
   for i in range(12):

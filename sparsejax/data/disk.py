@@ -285,10 +285,15 @@ class DiskTier:
       with self.ledger.locked() as ledger:
         if os.path.exists(path):  # another process wrote it first
           return 0, 0, False
+        recounted = False
         while ledger.used + size > self.budget:  # evict the oldest records
           victim = self._victim()
-          if victim is None:
-            break
+          if victim is None:  # none left, yet over budget: the ledger overcounts (records
+            if recounted:     # deleted behind its back); count them once, then try again
+              break
+            ledger.recount()
+            recounted = True
+            continue
           evictions += ledger.remove(victim)
         if ledger.used + size > self.budget or not ledger.add(path, blob):
           return 0, evictions, False
