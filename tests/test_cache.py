@@ -9,6 +9,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -16,7 +17,7 @@ import grain
 import numpy as np
 import pytest
 
-from sparsejax.data import RemoteSource, TieredCache, records
+from sparsejax.data import RemoteSource, TieredCache, disk, records
 from sparsejax.data.loader import prefetch
 
 
@@ -314,7 +315,7 @@ def test_two_processes_writing_one_directory_keep_the_byte_count_exact(tmp_path)
     assert disk["bytes"] == on_disk, (disk, on_disk)
   assert json.loads(outs[1][0])["evictions"] > 0
   assert 0 < on_disk <= budget
-  assert not [f for f in disk_files(root) if f.endswith(".tmp")]
+  assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
   fresh = TieredCache(Source(1), memory_bytes=1, disk_dir=root, disk_bytes=budget)
   assert fresh.stats()["disk"]["bytes"] == on_disk
 
@@ -339,6 +340,43 @@ def test_records_deleted_behind_the_ledgers_back_are_recounted_and_writing_goes_
     assert 0 < s["bytes"] == sum(disk_files(tmp_path).values()) <= budget
     for path in disk_files(tmp_path):
       os.remove(path)
+
+
+def test_a_record_is_written_outside_the_lock_and_only_linked_under_it(tmp_path):
+  """While another process (here: another open file description) holds the ledger's lock, a
+  writer already writes its record's temporary file; it links it once the lock is free."""
+  cache = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  tmps = lambda: [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # noqa: E731
+  writer = threading.Thread(target=cache.__getitem__, args=(1,))
+  with disk.Ledger(str(tmp_path)).locked():
+    writer.start()
+    deadline = time.monotonic() + 5
+    while not tmps() and time.monotonic() < deadline:
+      time.sleep(0.002)
+    assert len(tmps()) == 1 and tmps()[0].startswith(f"1.rec.{os.getpid()}-")
+    assert disk_files(tmp_path) == {}  # not linked while the lock is held elsewhere
+  writer.join(10)
+  assert not writer.is_alive() and tmps() == []
+  assert cache.stats()["disk"]["bytes"] == sum(disk_files(tmp_path).values()) > 0
+
+
+def test_a_walk_removes_only_the_temporary_files_of_killed_writers(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  d = tmp_path / "src" / "00"
+  d.mkdir(parents=True)
+  (d / "0.rec").write_bytes(b"r" * 100)
+  names = {"killed": f"1.rec.{int(dead.stdout)}-7.tmp",  # its process is gone
+           "old": f"2.rec.{os.getpid()}-7.tmp",           # alive (pid reused?) but an hour old
+           "older_version": "3.rec.tmp",                  # written under the lock: orphaned
+           "in_flight": f"4.rec.{os.getpid()}-7.tmp",     # a live writer's: kept
+           "parent": f"5.rec.{os.getppid()}-7.tmp"}       # another live process's: kept
+  for name in names.values():
+    (d / name).write_bytes(b"t" * 10)
+  hour_ago = time.time() - disk.STALE_TMP_S - 60
+  os.utime(d / names["old"], (hour_ago, hour_ago))
+  assert disk.count_records(str(tmp_path)) == 100
+  assert sorted(os.listdir(d)) == sorted(["0.rec", names["in_flight"], names["parent"]])
 
 
 def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damaged(tmp_path):
