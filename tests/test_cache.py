@@ -401,6 +401,40 @@ def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damag
   assert reopen() == counted
 
 
+_FORKED = """
+import os, sys, time
+from sparsejax.data import TieredCache
+
+cache = TieredCache(list(range(4)), memory_bytes=1, disk_dir=sys.argv[1], disk_bytes=1 << 20,
+                    key="ints")  # opening opens the ledger: the child inherits its descriptor
+ledger = cache._disk.ledger
+go_r, go_w = os.pipe()
+log_r, log_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+  os.read(go_r, 1)  # the parent holds the lock now
+  with ledger.locked():
+    os.write(log_w, b"c")
+  os._exit(0)
+with ledger.locked():
+  os.write(go_w, b"x")
+  time.sleep(0.3)
+  os.write(log_w, b"p")
+os.waitpid(pid, 0)
+os.close(log_w)
+print(os.read(log_r, 8).decode())
+"""
+
+
+def test_a_forked_child_does_not_share_its_parents_ledger_lock(tmp_path):
+  """flock belongs to the open file description, which fork shares: the child reopens the
+  ledger, so it waits for its parent to release the lock."""
+  proc = _python(_FORKED, str(tmp_path))
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err
+  assert out.strip() == "pc"  # the child took the lock only once the parent released it
+
+
 _KILLED = """
 import os, sys
 from sparsejax.data import TieredCache

@@ -32,6 +32,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -103,6 +104,19 @@ def _same_file(a: str, b: str) -> bool:
   return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+_LEDGERS: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+  """In a forked child: a thread of the parent may have held a ledger's mutex at the fork, and
+  no thread of the child will ever release that copy."""
+  for ledger in list(_LEDGERS):
+    ledger._mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class Ledger:
   """`root/.usage`: the bytes of the records under `root` and at most one pending step.
 
@@ -114,13 +128,21 @@ class Ledger:
     self.root = root
     self.used = 0
     self._fd: int | None = None
+    self._pid = os.getpid()  # the process that opened `_fd`
     self._mutex = threading.Lock()  # flock does not exclude threads sharing one descriptor
+    _LEDGERS.add(self)
 
   @contextlib.contextmanager
   def locked(self) -> Iterator[Ledger]:
     with self._mutex:
+      if self._fd is not None and self._pid != os.getpid():
+        # Forked: an flock belongs to the open file description, which the child shares with
+        # its parent, so the two would not exclude each other. Open the file anew.
+        os.close(self._fd)
+        self._fd = None
       if self._fd is None:
         self._fd = os.open(os.path.join(self.root, ".usage"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._pid = os.getpid()
       fcntl.flock(self._fd, fcntl.LOCK_EX)
       try:
         self._load()
