@@ -152,6 +152,25 @@ def test_a_restart_finds_the_disk_tier_warm(tmp_path):
   assert s["disk"]["bytes"] == sum(disk_files(tmp_path).values())
 
 
+def test_a_damaged_record_replaced_meanwhile_by_a_good_one_is_not_removed(tmp_path):
+  """A reader that found a record damaged removes it only if it is still that file: another
+  process may have found it too, removed it and written a good record in its place."""
+  first = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  first[0]
+  path = first._disk.path(0)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 5)
+  seen = disk.file_id(os.stat(path))  # what the first reader saw
+  other = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  assert same(other[0], Source(3)[0]) and other.stats()["disk"]["corrupt"] == 1
+  first._disk._remove(path, seen)  # the first reader's removal, late
+  assert os.path.exists(path)
+  assert same(first[0], Source(3)[0]) and first.stats()["disk"]["hits"] == 1
+  assert first.stats()["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+  first._disk._remove(path, disk.file_id(os.stat(path)))  # the same file: removed
+  assert not os.path.exists(path)
+
+
 def test_a_damaged_disk_record_is_detected_fetched_again_and_counted(tmp_path):
   warm = TieredCache(Source(9), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
   for i in range(9):

@@ -96,6 +96,12 @@ def count_records(root: str) -> int:
   return total
 
 
+def file_id(st: os.stat_result) -> tuple[int, int, int, int]:
+  """What tells one file at a path from a later one: device, inode, size, mtime (ns). (An inode
+  number freed by a removal can come back at once; the size and mtime then differ.)"""
+  return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _same_file(a: str, b: str) -> bool:
   try:
     sa, sb = os.stat(a), os.stat(b)
@@ -217,12 +223,16 @@ class Ledger:
     self._store(self.used)
     return True
 
-  def remove(self, path: str) -> bool:
-    """Removes the record at `path`; False if it is not there (another process removed it)."""
+  def remove(self, path: str, expect: tuple[int, int, int, int] | None = None) -> bool:
+    """Removes the record at `path`; False if it is not there (another process removed it) or,
+    given `expect` (its `file_id`), if the file there now is another one."""
     try:
-      size = os.stat(path).st_size
+      st = os.stat(path)
     except FileNotFoundError:
       return False
+    if expect is not None and file_id(st) != expect:
+      return False
+    size = st.st_size
     self._store(self.used, _REMOVE, size, path)
     try:
       os.remove(path)
@@ -295,12 +305,13 @@ class DiskTier:
     try:
       with open(path, "rb") as f:
         blob = f.read()
+        seen = file_id(os.fstat(f.fileno()))
     except OSError:
       return "miss", None
     try:
       value = records.decode(blob)
     except records.CorruptRecord:
-      self._remove(path)
+      self._remove(path, seen)
       return "corrupt", None
     with self.lock:
       self.found.pop(path, None)
@@ -308,12 +319,14 @@ class DiskTier:
       self.known.move_to_end(path)
     return "hit", value
 
-  def _remove(self, path: str) -> None:
-    """Removes a damaged record. Something outside changed the directory (a truncated file no
-    longer has the size the ledger counted), so the records are counted again (rare)."""
+  def _remove(self, path: str, seen: tuple[int, int, int, int]) -> None:
+    """Removes the damaged record read from `path` (`seen`: its `file_id`), unless another
+    process has replaced it since (with a good record). Something outside changed the directory
+    (a truncated file no longer has the size the ledger counted): the records are counted again
+    (rare)."""
     with contextlib.suppress(OSError), self.ledger.locked() as ledger:
-      ledger.remove(path)
-      ledger.recount()
+      if ledger.remove(path, expect=seen):
+        ledger.recount()
     with self.lock:
       self.known.pop(path, None)
       self.found.pop(path, None)
