@@ -23,20 +23,20 @@
 // updates (aliased to the gradient). Work is spread over the XLA:CPU intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using sparsejax::ParallelFor;
+using sparsejax::Threads;
 
 constexpr int kReal = 1;
 constexpr int kTrust = 2;
@@ -97,46 +97,6 @@ inline float TrustRatio(int flags, double pn2, double un2, float coeff, float ep
   float pn = std::sqrt(static_cast<float>(pn2)), un = std::sqrt(static_cast<float>(un2));
   if (pn == 0.0f || un == 0.0f) return 1.0f;
   return coeff * pn / (un + eps);
-}
-
-// Number of threads for a buffer of n values: the intra-op pool's, or 1 below ~1 MB (where a
-// second thread costs more than it saves).
-int64_t Threads(ffi::ThreadPool& pool, int64_t n) {
-  const int64_t threads = pool.num_threads();
-  return (threads < 1 || n < (int64_t{1} << 18)) ? 1 : threads;
-}
-
-// Runs fn(t) for t in [0, tasks) on the intra-op pool and the calling thread together. Tasks are
-// claimed from a shared counter, so the calling thread can run all of them itself and only ever
-// waits for tasks that another thread has started: no deadlock when every pool thread is busy
-// (e.g. running this same kernel for another device). A pool thread that starts after all tasks
-// are claimed returns at once; the counters it touches live on the heap, not on this stack.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Fn fn) {
-  if (tasks <= 1) {
-    if (tasks == 1) fn(0);
-    return;
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto shared = std::make_shared<Shared>();
-  Fn* body = &fn;  // only used for claimed tasks, all of which finish before this function returns
-  auto work = [shared, tasks, body] {
-    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
-      (*body)(t);
-      if (shared->done.fetch_add(1) + 1 == tasks) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    }
-  };
-  for (int64_t t = 0; t + 1 < tasks; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == tasks; });
 }
 
 // Runs body(seg) for the segments in `list`, cut into `threads` runs of about equal size.
