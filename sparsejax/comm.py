@@ -163,8 +163,9 @@ def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   all_v = lax.all_gather(values, axes, axis=0, tiled=True)
   all_i = lax.all_gather(indices, axes, axis=0, tiled=True)
 
-  def xla(all_v, all_i):
-    return jnp.zeros(n, values.dtype).at[all_i].add(all_v)
+  def xla(all_v, all_i):  # indices outside [0, n) dropped, negative ones too (as the kernel)
+    return jnp.zeros(n, values.dtype).at[all_i].add(all_v, mode="drop",
+                                                     wrap_negative_indices=False)
 
   if values.dtype == jnp.float32 and cpu_kernels.enabled():
     # On CPU one kernel: the zeros and the adds, in the order gathered (as XLA's scatter).

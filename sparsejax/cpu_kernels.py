@@ -242,6 +242,7 @@ def topk_feedback(x: jax.Array, residual: jax.Array,
 
 def scatter_add(values: jax.Array, indices: jax.Array, n: int) -> jax.Array:
   """float32[n]: zeros with `values` (float32[m]) added at `indices` (int32[m]) in order;
-  indices outside [0, n) are dropped (as XLA's scatter does)."""
+  indices outside [0, n) are dropped, negative ones too (as XLA's scatter does; jnp's
+  `.at[i].add` wraps negative indices unless given `wrap_negative_indices=False`)."""
   out = _like(values + indices.astype(values.dtype), (n,), jnp.float32)  # type only, as above
   return jax.ffi.ffi_call("sparsejax_scatter_add", out, vmap_method="sequential")(values, indices)

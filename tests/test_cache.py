@@ -9,6 +9,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -16,7 +17,7 @@ import grain
 import numpy as np
 import pytest
 
-from sparsejax.data import RemoteSource, TieredCache, records
+from sparsejax.data import RemoteSource, TieredCache, disk, records
 from sparsejax.data.loader import prefetch
 
 
@@ -149,6 +150,25 @@ def test_a_restart_finds_the_disk_tier_warm(tmp_path):
   s = again.stats()
   assert src.reads == 0 and s["disk"]["hits"] == 17 and s["source"]["reads"] == 0
   assert s["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+
+
+def test_a_damaged_record_replaced_meanwhile_by_a_good_one_is_not_removed(tmp_path):
+  """A reader that found a record damaged removes it only if it is still that file: another
+  process may have found it too, removed it and written a good record in its place."""
+  first = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  first[0]
+  path = first._disk.path(0)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 5)
+  seen = disk.file_id(os.stat(path))  # what the first reader saw
+  other = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  assert same(other[0], Source(3)[0]) and other.stats()["disk"]["corrupt"] == 1
+  first._disk._remove(path, seen)  # the first reader's removal, late
+  assert os.path.exists(path)
+  assert same(first[0], Source(3)[0]) and first.stats()["disk"]["hits"] == 1
+  assert first.stats()["disk"]["bytes"] == sum(disk_files(tmp_path).values())
+  first._disk._remove(path, disk.file_id(os.stat(path)))  # the same file: removed
+  assert not os.path.exists(path)
 
 
 def test_a_damaged_disk_record_is_detected_fetched_again_and_counted(tmp_path):
@@ -314,9 +334,68 @@ def test_two_processes_writing_one_directory_keep_the_byte_count_exact(tmp_path)
     assert disk["bytes"] == on_disk, (disk, on_disk)
   assert json.loads(outs[1][0])["evictions"] > 0
   assert 0 < on_disk <= budget
-  assert not [f for f in disk_files(root) if f.endswith(".tmp")]
+  assert not [f for _, _, fs in os.walk(root) for f in fs if f.endswith(".tmp")]
   fresh = TieredCache(Source(1), memory_bytes=1, disk_dir=root, disk_bytes=budget)
   assert fresh.stats()["disk"]["bytes"] == on_disk
+
+
+def test_records_deleted_behind_the_ledgers_back_are_recounted_and_writing_goes_on(tmp_path):
+  """The ledger overcounts once records vanish without it (a user's rm): a write that finds no
+  victim left while still over budget counts the directory again instead of refusing forever."""
+  budget = 8000
+  first = TieredCache(Source(40), memory_bytes=1, disk_dir=tmp_path, disk_bytes=budget)
+  for i in range(40):
+    first[i]
+  assert first.stats()["disk"]["bytes"] > budget - 1000
+  for path in disk_files(tmp_path):
+    os.remove(path)
+  for cache in (first, TieredCache(Source(40, seed=1), memory_bytes=1, disk_dir=tmp_path,
+                                   disk_bytes=budget)):
+    before = cache.stats()["disk"]["bytes_written"]
+    for i in range(40):  # past the budget (the old code refused every one of these writes)
+      cache[i]
+    s = cache.stats()["disk"]
+    assert s["bytes_written"] > before and s["write_errors"] == 0
+    assert 0 < s["bytes"] == sum(disk_files(tmp_path).values()) <= budget
+    for path in disk_files(tmp_path):
+      os.remove(path)
+
+
+def test_a_record_is_written_outside_the_lock_and_only_linked_under_it(tmp_path):
+  """While another process (here: another open file description) holds the ledger's lock, a
+  writer already writes its record's temporary file; it links it once the lock is free."""
+  cache = TieredCache(Source(3), memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20)
+  tmps = lambda: [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # noqa: E731
+  writer = threading.Thread(target=cache.__getitem__, args=(1,))
+  with disk.Ledger(str(tmp_path)).locked():
+    writer.start()
+    deadline = time.monotonic() + 5
+    while not tmps() and time.monotonic() < deadline:
+      time.sleep(0.002)
+    assert len(tmps()) == 1 and tmps()[0].startswith(f"1.rec.{os.getpid()}-")
+    assert disk_files(tmp_path) == {}  # not linked while the lock is held elsewhere
+  writer.join(10)
+  assert not writer.is_alive() and tmps() == []
+  assert cache.stats()["disk"]["bytes"] == sum(disk_files(tmp_path).values()) > 0
+
+
+def test_a_walk_removes_only_the_temporary_files_of_killed_writers(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  d = tmp_path / "src" / "00"
+  d.mkdir(parents=True)
+  (d / "0.rec").write_bytes(b"r" * 100)
+  names = {"killed": f"1.rec.{int(dead.stdout)}-7.tmp",  # its process is gone
+           "old": f"2.rec.{os.getpid()}-7.tmp",           # alive (pid reused?) but an hour old
+           "older_version": "3.rec.tmp",                  # written under the lock: orphaned
+           "in_flight": f"4.rec.{os.getpid()}-7.tmp",     # a live writer's: kept
+           "parent": f"5.rec.{os.getppid()}-7.tmp"}       # another live process's: kept
+  for name in names.values():
+    (d / name).write_bytes(b"t" * 10)
+  hour_ago = time.time() - disk.STALE_TMP_S - 60
+  os.utime(d / names["old"], (hour_ago, hour_ago))
+  assert disk.count_records(str(tmp_path)) == 100
+  assert sorted(os.listdir(d)) == sorted(["0.rec", names["in_flight"], names["parent"]])
 
 
 def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damaged(tmp_path):
@@ -339,6 +418,40 @@ def test_opening_trusts_the_ledger_and_recounts_only_when_it_is_missing_or_damag
   assert reopen() == counted
   usage.write_bytes(struct.pack("<q", 5))  # the ledger of an older version: recounted
   assert reopen() == counted
+
+
+_FORKED = """
+import os, sys, time
+from sparsejax.data import TieredCache
+
+cache = TieredCache(list(range(4)), memory_bytes=1, disk_dir=sys.argv[1], disk_bytes=1 << 20,
+                    key="ints")  # opening opens the ledger: the child inherits its descriptor
+ledger = cache._disk.ledger
+go_r, go_w = os.pipe()
+log_r, log_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+  os.read(go_r, 1)  # the parent holds the lock now
+  with ledger.locked():
+    os.write(log_w, b"c")
+  os._exit(0)
+with ledger.locked():
+  os.write(go_w, b"x")
+  time.sleep(0.3)
+  os.write(log_w, b"p")
+os.waitpid(pid, 0)
+os.close(log_w)
+print(os.read(log_r, 8).decode())
+"""
+
+
+def test_a_forked_child_does_not_share_its_parents_ledger_lock(tmp_path):
+  """flock belongs to the open file description, which fork shares: the child reopens the
+  ledger, so it waits for its parent to release the lock."""
+  proc = _python(_FORKED, str(tmp_path))
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err
+  assert out.strip() == "pc"  # the child took the lock only once the parent released it
 
 
 _KILLED = """

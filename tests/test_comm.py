@@ -229,6 +229,27 @@ def test_wire_bytes_match_compiled_hlo(nodes, local, algorithm):
   assert got == pytest.approx(want), hlo[:3000]
 
 
+def test_gather_sum_drops_out_of_range_indices_on_both_paths(rng):
+  """The kernel (CPU) and the XLA scatter of `_gather_sum` agree on every index: those outside
+  [0, n), negative ones too, are dropped (jnp's `.at[].add` would wrap a negative index)."""
+  from sparsejax import cpu_kernels
+  assert cpu_kernels.available(), cpu_kernels.why_unavailable()
+  p, n, m = 8, 1013, 57
+  v = rng.standard_normal((p, m)).astype(np.float32)
+  i = rng.integers(-n - 5, n + 5, (p, m)).astype(np.int32)
+  i[:, :4] = [-1, -n, n, -n - 1]
+  ok = (i >= 0) & (i < n)
+  want = np.zeros(n, np.float32)
+  np.add.at(want, i[ok], v[ok])
+  mesh = make_mesh(2, 4)
+  sum_ = lambda v, i: comm._gather_sum(v, i, n, ("node", "local"))  # noqa: E731
+  kernel = run_workers(mesh, sum_, v, i)
+  with cpu_kernels.disabled():  # the XLA path (a fresh trace)
+    xla = run_workers(mesh, lambda v, i: sum_(v, i), v, i)
+  for out in (kernel, xla):
+    np.testing.assert_allclose(out, np.broadcast_to(want, out.shape), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input():
   x = jnp.ones(12)
   with pytest.raises(ValueError, match="'node' is not bound"):

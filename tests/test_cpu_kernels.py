@@ -170,3 +170,29 @@ def test_without_a_compiler_the_xla_path_is_used(tmp_path, cxx, why):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "ok" in proc.stdout
   assert why in proc.stdout, proc.stdout
+
+
+def test_malformed_operands_are_clear_errors():
+  """The kernel's own checks of its operands against the segment table (optim never trips them)."""
+  assert cpu_kernels.available(), cpu_kernels.why_unavailable()
+  f32 = lambda n: jnp.zeros(n, jnp.float32)  # noqa: E731
+  table = (np.array([0, 5, 8, 16]), np.ones(3, np.float32), np.array([1, 0, 1], np.int32))
+  scalars = jnp.array([0.1, 0.9, 0.0], jnp.float32)
+
+  def sgd(state, grads, params, table=table, flat=False):
+    return jax.jit(lambda s, g, p: cpu_kernels.update(
+        "sgd", scalars, s, g, p, table=table, flat=flat, nesterov=False,
+        decayed=p is not None))(state, grads, params)
+
+  sgd([f32(16)], [f32(5), f32(8)], [f32(5), f32(8)])  # well formed: two real leaves
+  sgd([f32(16)], [f32(16)], None, flat=True)
+  for args, kw, match in [
+      (([f32(16)], [f32(5), f32(8)], None), {"table": (table[0], table[1][:2], table[2])},
+       "malformed segment table"),
+      (([f32(16)], [f32(5)], None), {}, "expected 3 operands and 3 results, got 2 and 2"),
+      (([f32(15)], [f32(5), f32(8)], None), {}, "state buffer of the wrong length"),
+      (([f32(16)], [f32(5), f32(7)], None), {}, "leaf 1 has 7 values, the segment table says 8"),
+      (([f32(16)], [f32(16)], [f32(15)]), {"flat": True}, "params leaf of the wrong length"),
+  ]:
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+      sgd(*args, **kw)

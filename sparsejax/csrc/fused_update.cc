@@ -23,20 +23,20 @@
 // updates (aliased to the gradient). Work is spread over the XLA:CPU intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using sparsejax::ParallelFor;
+using sparsejax::Threads;
 
 constexpr int kReal = 1;
 constexpr int kTrust = 2;
@@ -97,46 +97,6 @@ inline float TrustRatio(int flags, double pn2, double un2, float coeff, float ep
   float pn = std::sqrt(static_cast<float>(pn2)), un = std::sqrt(static_cast<float>(un2));
   if (pn == 0.0f || un == 0.0f) return 1.0f;
   return coeff * pn / (un + eps);
-}
-
-// Number of threads for a buffer of n values: the intra-op pool's, or 1 below ~1 MB (where a
-// second thread costs more than it saves).
-int64_t Threads(ffi::ThreadPool& pool, int64_t n) {
-  const int64_t threads = pool.num_threads();
-  return (threads < 1 || n < (int64_t{1} << 18)) ? 1 : threads;
-}
-
-// Runs fn(t) for t in [0, tasks) on the intra-op pool and the calling thread together. Tasks are
-// claimed from a shared counter, so the calling thread can run all of them itself and only ever
-// waits for tasks that another thread has started: no deadlock when every pool thread is busy
-// (e.g. running this same kernel for another device). A pool thread that starts after all tasks
-// are claimed returns at once; the counters it touches live on the heap, not on this stack.
-template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, Fn fn) {
-  if (tasks <= 1) {
-    if (tasks == 1) fn(0);
-    return;
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto shared = std::make_shared<Shared>();
-  Fn* body = &fn;  // only used for claimed tasks, all of which finish before this function returns
-  auto work = [shared, tasks, body] {
-    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
-      (*body)(t);
-      if (shared->done.fetch_add(1) + 1 == tasks) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    }
-  };
-  for (int64_t t = 0; t + 1 < tasks; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == tasks; });
 }
 
 // Runs body(seg) for the segments in `list`, cut into `threads` runs of about equal size.
@@ -205,6 +165,53 @@ void TwoPass(ffi::ThreadPool& pool, const std::vector<Seg>& segs, Norms norms, A
   }
 }
 
+// The `num_state` state buffers (operands and results 0 .. num_state - 1), `padded` values each.
+ffi::Error DecodeState(ffi::RemainingArgs args, ffi::RemainingRets rets, int num_state,
+                       int64_t padded, const float** in, float** out) {
+  for (int i = 0; i < num_state; ++i) {
+    auto a = args.get<ffi::Buffer<ffi::F32>>(i);
+    auto r = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (a.has_error()) return a.error();
+    if (r.has_error()) return r.error();
+    if (static_cast<int64_t>(a->element_count()) != padded ||
+        static_cast<int64_t>((*r)->element_count()) != padded) {
+      return ffi::Error::InvalidArgument("fused update: state buffer of the wrong length");
+    }
+    in[i] = a->typed_data();
+    out[i] = (*r)->typed_data();
+  }
+  return ffi::Error::Success();
+}
+
+// Points `seg` at its values in gradient, update (and, when `has_params`, params) leaf j, which
+// must hold `want` values; `at`: the segment's offset inside them (the flat layout's one buffer).
+ffi::Error DecodeLeaf(ffi::RemainingArgs args, ffi::RemainingRets rets, int num_state,
+                      int64_t leaves, int64_t j, int64_t at, int64_t want, bool has_params,
+                      Seg* seg) {
+  auto g = args.get<ffi::Buffer<ffi::F32>>(num_state + j);
+  auto u = rets.get<ffi::Buffer<ffi::F32>>(num_state + j);
+  if (g.has_error()) return g.error();
+  if (u.has_error()) return u.error();
+  if (static_cast<int64_t>(g->element_count()) != want ||
+      static_cast<int64_t>((*u)->element_count()) != want) {
+    return ffi::Error::InvalidArgument("fused update: leaf " + std::to_string(j) + " has " +
+                                       std::to_string(g->element_count()) +
+                                       " values, the segment table says " +
+                                       std::to_string(want));
+  }
+  seg->g = g->typed_data() + at;
+  seg->u = (*u)->typed_data() + at;
+  if (has_params) {
+    auto p = args.get<ffi::Buffer<ffi::F32>>(num_state + leaves + j);
+    if (p.has_error()) return p.error();
+    if (static_cast<int64_t>(p->element_count()) != want) {
+      return ffi::Error::InvalidArgument("fused update: params leaf of the wrong length");
+    }
+    seg->p = p->typed_data() + at;
+  }
+  return ffi::Error::Success();
+}
+
 // Decodes the operands into segments. `num_state` state buffers, then the gradient leaves, then
 // the param leaves when `has_params`; results: the new state, then the update leaves.
 ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
@@ -230,45 +237,18 @@ ffi::Error Decode(ffi::RemainingArgs args, ffi::RemainingRets rets,
   }
   const float* in[kMaxState] = {nullptr, nullptr};
   float* out[kMaxState] = {nullptr, nullptr};
-  for (int i = 0; i < num_state; ++i) {
-    auto a = args.get<ffi::Buffer<ffi::F32>>(i);
-    auto r = rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (a.has_error()) return a.error();
-    if (r.has_error()) return r.error();
-    if (static_cast<int64_t>(a->element_count()) != padded ||
-        static_cast<int64_t>((*r)->element_count()) != padded) {
-      return ffi::Error::InvalidArgument("fused update: state buffer of the wrong length");
-    }
-    in[i] = a->typed_data();
-    out[i] = (*r)->typed_data();
-  }
+  if (auto e = DecodeState(args, rets, num_state, padded, in, out); e.failure()) return e;
   int64_t leaf = 0;
   for (int64_t s = 0; s < num_segments; ++s) {
     const int64_t lo = starts[s], n = starts[s + 1] - lo;
     if (!flat && !(flags[s] & kReal)) continue;  // tree: padding exists only in the state
-    const int64_t j = flat ? 0 : leaf++;
-    const int64_t at = flat ? lo : 0;  // offset of this segment inside its gradient buffer
-    auto g = args.get<ffi::Buffer<ffi::F32>>(num_state + j);
-    auto u = rets.get<ffi::Buffer<ffi::F32>>(num_state + j);
-    if (g.has_error()) return g.error();
-    if (u.has_error()) return u.error();
-    const int64_t want = flat ? padded : n;
-    if (static_cast<int64_t>(g->element_count()) != want ||
-        static_cast<int64_t>((*u)->element_count()) != want) {
-      return ffi::Error::InvalidArgument("fused update: leaf " + std::to_string(j) + " has " +
-                                         std::to_string(g->element_count()) +
-                                         " values, the segment table says " +
-                                         std::to_string(want));
-    }
-    Seg seg{g->typed_data() + at, nullptr, (*u)->typed_data() + at, {nullptr, nullptr},
-            {nullptr, nullptr}, n, weight_decay * decay[s], flags[s]};
-    if (has_params) {
-      auto p = args.get<ffi::Buffer<ffi::F32>>(num_state + leaves + j);
-      if (p.has_error()) return p.error();
-      if (static_cast<int64_t>(p->element_count()) != want) {
-        return ffi::Error::InvalidArgument("fused update: params leaf of the wrong length");
-      }
-      seg.p = p->typed_data() + at;
+    Seg seg{nullptr, nullptr, nullptr, {nullptr, nullptr}, {nullptr, nullptr}, n,
+            weight_decay * decay[s], flags[s]};
+    // flat: the segment sits at `lo` in the one buffer; tree: it is leaf `leaf`, whole.
+    if (auto e = DecodeLeaf(args, rets, num_state, leaves, flat ? 0 : leaf++, flat ? lo : 0,
+                            flat ? padded : n, has_params, &seg);
+        e.failure()) {
+      return e;
     }
     for (int i = 0; i < num_state; ++i) {
       seg.in[i] = in[i] + lo;

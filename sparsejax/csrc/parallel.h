@@ -1,5 +1,5 @@
-// Work sharing on XLA:CPU's intra-op thread pool, for the kernels of topk_select.cc.
-// (fused_update.cc carries the same ParallelFor inside its own anonymous namespace.)
+// Work sharing on XLA:CPU's intra-op thread pool, for the kernels of fused_update.cc and
+// topk_select.cc.
 
 #ifndef SPARSEJAX_CSRC_PARALLEL_H_
 #define SPARSEJAX_CSRC_PARALLEL_H_

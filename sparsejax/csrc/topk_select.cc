@@ -186,147 +186,175 @@ void FinishFromBuffer(const Pieces& c, int level, uint32_t prefix, int64_t need,
   }
 }
 
-// Selects the k largest keys of n. first(lo, m, buf) gives the keys in the first pass over the
-// whole buffer (it may also write, e.g. acc = x + r, so it runs exactly once on every element),
-// keys(lo, m, buf) in later passes, sample(lo, m, buf) before the first (it must not write).
-// Writes k increasing indices.
-//
-// Fast path (one pass): a threshold from a 1/512 sample that ~2k keys reach; one pass copies the
-// keys at or above it; if they number between k and k + n/8, the radix select runs on them alone.
-// Otherwise (or for small n, or k > n/16) the histogram passes below, each level over the whole
-// buffer until the keys at or above the chosen bucket fit in k + n/8.
-template <typename Sample, typename First, typename Keys>
-void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, First first,
-                Keys keys, int32_t* idx_out) {
-  const int64_t threads = Threads(pool, n);
-  auto bound = [&](int64_t t) { return t == threads ? n : n * t / threads / 16 * 16; };
-  const int64_t cap = k + n / 8;
-  std::vector<uint32_t> ckey;
-  std::vector<int32_t> cidx;
-  bool first_done = false;
-  constexpr int64_t kStride = 512;
-  if (n >= (int64_t{1} << 16) && k <= n / 16) {
-    const uint32_t guess = SampleThreshold(sample, n, k, kStride);
-    std::vector<std::vector<uint32_t>> tkey(threads);
-    std::vector<std::vector<int32_t>> tidx(threads);
-    std::vector<int64_t> tcount(threads, 0);
-    ParallelFor(pool, threads, [&](int64_t t) {
-      // Counting first would cost a second pass; grow per-thread lists instead. Blocks of 64:
-      // most hold no candidate and cost one vectorised max; the others append without branches.
-      constexpr int64_t kSmall = 64;
-      const int64_t lo = bound(t), hi = bound(t + 1);
-      std::vector<uint32_t>& key = tkey[t];
-      std::vector<int32_t>& idx = tidx[t];
-      key.resize(4 * k / threads + 1024);
-      idx.resize(key.size());
-      int64_t o = 0;
-      uint32_t buf[kSmall];
-      for (int64_t b = lo; b < hi; b += kSmall) {
-        const int64_t m = std::min(kSmall, hi - b);
-        if (first(b, m, buf) < guess) continue;
-        if (o + kSmall > static_cast<int64_t>(key.size())) {
-          if (o > cap) {  // far too many: stop copying, finish the pass (it may write)
-            tcount[t] = -1;
-            for (b += kSmall; b < hi; b += kSmall) first(b, std::min(kSmall, hi - b), buf);
-            return;
-          }
-          key.resize(2 * key.size());
-          idx.resize(key.size());
-        }
-        uint32_t* kp = key.data();
-        int32_t* ip = idx.data();
-        for (int64_t j = 0; j < m; ++j) {
-          kp[o] = buf[j];
-          ip[o] = static_cast<int32_t>(b + j);
-          o += buf[j] >= guess ? 1 : 0;
-        }
-      }
-      tcount[t] = o;
-    });
-    first_done = true;
-    int64_t count = 0;
-    bool overflow = false;
-    for (int64_t t = 0; t < threads; ++t) {
-      overflow |= tcount[t] < 0;
-      count += tcount[t];
-    }
-    if (!overflow && count >= k && count <= cap) {
-      Pieces c;
-      for (int64_t t = 0; t < threads; ++t) {
-        c.key.push_back(tkey[t].data());
-        c.idx.push_back(tidx[t].data());
-        c.size.push_back(tcount[t]);
-      }
-      FinishFromBuffer(c, 0, 0, k, idx_out);
-      return;
-    }
-  }
+// [0, n) cut into `threads` ranges, their edges on 64-byte lines (no false sharing).
+struct Split {
+  int64_t n, threads;
+  int64_t operator()(int64_t t) const { return t == threads ? n : n * t / threads / 16 * 16; }
+};
 
-  // Histogram passes over the whole buffer.
-  std::vector<uint32_t> hist(threads * kMaxBins);
-  std::vector<int64_t> above(threads, 0), inb(threads, 0);
-  uint32_t prefix = 0;
-  int64_t need = k;
-  for (int level = 0; level < kLevels; ++level) {
-    std::fill(hist.begin(), hist.end(), 0u);
-    ParallelFor(pool, threads, [&](int64_t t) {
-      if (!first_done) {
-        HistRange(first, bound(t), bound(t + 1), level, prefix, &hist[t * kMaxBins]);
-      } else {
-        HistRange(keys, bound(t), bound(t + 1), level, prefix, &hist[t * kMaxBins]);
+// The sampled pass over [lo, hi): appends (key, index) of every key >= guess to key/idx (grown
+// as needed), in index order, and returns their number; -1 once more than `cap` (then the rest
+// of the range only runs `first`, which may write).
+template <typename First>
+int64_t CopyAbove(First& first, int64_t lo, int64_t hi, uint32_t guess, int64_t cap,
+                  std::vector<uint32_t>& key, std::vector<int32_t>& idx) {
+  // Counting first would cost a second pass; grow the lists instead. Blocks of 64: most hold no
+  // candidate and cost one vectorised max; the others append without branches.
+  constexpr int64_t kSmall = 64;
+  int64_t o = 0;
+  uint32_t buf[kSmall];
+  for (int64_t b = lo; b < hi; b += kSmall) {
+    const int64_t m = std::min(kSmall, hi - b);
+    if (first(b, m, buf) < guess) continue;
+    if (o + kSmall > static_cast<int64_t>(key.size())) {
+      if (o > cap) {  // far too many: stop copying, finish the pass (it may write)
+        for (b += kSmall; b < hi; b += kSmall) first(b, std::min(kSmall, hi - b), buf);
+        return -1;
       }
-    });
-    first_done = true;
-    const int bins = 1 << kBits[level];
-    std::vector<int64_t> merged(bins, 0);
-    for (int64_t t = 0; t < threads; ++t) {
-      for (int b = 0; b < bins; ++b) merged[b] += hist[t * kMaxBins + b];
+      key.resize(2 * key.size());
+      idx.resize(key.size());
     }
-    const int chosen = Choose(merged, &need);
-    prefix = (prefix << kBits[level]) | static_cast<uint32_t>(chosen);
-    int64_t count = 0;  // keys at or above the chosen bucket
-    for (int64_t t = 0; t < threads; ++t) {
-      int64_t s = 0;
-      for (int b = chosen + 1; b < bins; ++b) s += hist[t * kMaxBins + b];
-      above[t] += s;
-      inb[t] = hist[t * kMaxBins + chosen];
-      count += above[t] + inb[t];
-    }
-    if (level + 1 < kLevels && count <= cap) {
-      // Compaction: every key >= the bucket's lowest key, in index order, at offsets from the
-      // per-thread counts.
-      ckey.resize(count);
-      cidx.resize(count);
-      std::vector<int64_t> off(threads + 1, 0);
-      for (int64_t t = 0; t < threads; ++t) off[t + 1] = off[t] + above[t] + inb[t];
-      ParallelFor(pool, threads, [&](int64_t t) {
-        int64_t o = off[t];
-        CompactRange(keys, bound(t), bound(t + 1), prefix << kShift[level], ckey.data(),
-                     cidx.data(), &o);
-      });
-      Pieces c;
-      c.key.push_back(ckey.data());
-      c.idx.push_back(cidx.data());
-      c.size.push_back(count);
-      FinishFromBuffer(c, level + 1, prefix, need, idx_out);
-      return;
+    uint32_t* kp = key.data();
+    int32_t* ip = idx.data();
+    for (int64_t j = 0; j < m; ++j) {
+      kp[o] = buf[j];
+      ip[o] = static_cast<int32_t>(b + j);
+      o += buf[j] >= guess ? 1 : 0;
     }
   }
-  // Every digit came from the whole buffer: above[t] keys > kth in thread t's range, inb[t] equal
-  // to it; the ties go to the lowest indices.
-  const uint32_t kth = prefix;
-  std::vector<int64_t> quota(threads), off(threads + 1, 0);
-  int64_t left = need;
+  return o;
+}
+
+// Fast path (one pass, running `first` on every key): a threshold from a 1/512 sample that ~2k
+// keys reach; the pass copies the keys at or above it; if they number between k and `cap`, the
+// radix select runs on them alone and writes idx_out: true. False: the histogram passes follow.
+template <typename Sample, typename First>
+bool SampledPass(ffi::ThreadPool& pool, const Split& split, int64_t k, int64_t cap,
+                 Sample& sample, First& first, int32_t* idx_out) {
+  constexpr int64_t kStride = 512;
+  const int64_t threads = split.threads;
+  const uint32_t guess = SampleThreshold(sample, split.n, k, kStride);
+  std::vector<std::vector<uint32_t>> tkey(threads);
+  std::vector<std::vector<int32_t>> tidx(threads);
+  std::vector<int64_t> tcount(threads, 0);
+  ParallelFor(pool, threads, [&](int64_t t) {
+    tkey[t].resize(4 * k / threads + 1024);
+    tidx[t].resize(tkey[t].size());
+    tcount[t] = CopyAbove(first, split(t), split(t + 1), guess, cap, tkey[t], tidx[t]);
+  });
+  int64_t count = 0;
   for (int64_t t = 0; t < threads; ++t) {
-    quota[t] = std::min(inb[t], left);
+    if (tcount[t] < 0) return false;
+    count += tcount[t];
+  }
+  if (count < k || count > cap) return false;
+  Pieces c;
+  for (int64_t t = 0; t < threads; ++t) {
+    c.key.push_back(tkey[t].data());
+    c.idx.push_back(tidx[t].data());
+    c.size.push_back(tcount[t]);
+  }
+  FinishFromBuffer(c, 0, 0, k, idx_out);
+  return true;
+}
+
+// The radix select over the whole buffer so far: the digits of the k-th largest key chosen
+// (`prefix`), how many keys equal to it the selection still needs (`need`), and per thread's
+// range the keys above the chosen bucket (`above`) and in it (`inb`).
+struct Radix {
+  uint32_t prefix;
+  int64_t need;
+  std::vector<int64_t> above, inb;
+};
+
+// One histogram pass at `level` over the whole buffer (per thread, merged): chooses the digit
+// and updates r. Returns the number of keys at or above the chosen bucket.
+template <typename Keys>
+int64_t HistogramLevel(ffi::ThreadPool& pool, const Split& split, Keys& keys, int level,
+                       std::vector<uint32_t>& hist, Radix* r) {
+  const int64_t threads = split.threads;
+  std::fill(hist.begin(), hist.end(), 0u);
+  ParallelFor(pool, threads, [&](int64_t t) {
+    HistRange(keys, split(t), split(t + 1), level, r->prefix, &hist[t * kMaxBins]);
+  });
+  const int bins = 1 << kBits[level];
+  std::vector<int64_t> merged(bins, 0);
+  for (int64_t t = 0; t < threads; ++t) {
+    for (int b = 0; b < bins; ++b) merged[b] += hist[t * kMaxBins + b];
+  }
+  const int chosen = Choose(merged, &r->need);
+  r->prefix = (r->prefix << kBits[level]) | static_cast<uint32_t>(chosen);
+  int64_t count = 0;
+  for (int64_t t = 0; t < threads; ++t) {
+    int64_t s = 0;
+    for (int b = chosen + 1; b < bins; ++b) s += hist[t * kMaxBins + b];
+    r->above[t] += s;
+    r->inb[t] = hist[t * kMaxBins + chosen];
+    count += r->above[t] + r->inb[t];
+  }
+  return count;
+}
+
+// Compaction after the histogram at `level`: the `count` keys >= the chosen bucket's lowest key,
+// in index order (at offsets from the per-thread counts), then the remaining digits on them.
+template <typename Keys>
+void CompactAndFinish(ffi::ThreadPool& pool, const Split& split, Keys& keys, int level,
+                      const Radix& r, int64_t count, int32_t* idx_out) {
+  const int64_t threads = split.threads;
+  std::vector<uint32_t> ckey(count);
+  std::vector<int32_t> cidx(count);
+  std::vector<int64_t> off(threads + 1, 0);
+  for (int64_t t = 0; t < threads; ++t) off[t + 1] = off[t] + r.above[t] + r.inb[t];
+  ParallelFor(pool, threads, [&](int64_t t) {
+    int64_t o = off[t];
+    CompactRange(keys, split(t), split(t + 1), r.prefix << kShift[level], ckey.data(),
+                 cidx.data(), &o);
+  });
+  Pieces c;
+  c.key.push_back(ckey.data());
+  c.idx.push_back(cidx.data());
+  c.size.push_back(count);
+  FinishFromBuffer(c, level + 1, r.prefix, r.need, idx_out);
+}
+
+// Histogram passes over the whole buffer (the first by `first` unless `first_done`), level by
+// level, until the keys at or above the chosen bucket fit in `cap`: compaction then finishes the
+// selection (true). False: every digit came from the whole buffer, and r holds them.
+template <typename First, typename Keys>
+bool HistogramPasses(ffi::ThreadPool& pool, const Split& split, int64_t cap, bool first_done,
+                     First& first, Keys& keys, Radix* r, int32_t* idx_out) {
+  std::vector<uint32_t> hist(split.threads * kMaxBins);
+  for (int level = 0; level < kLevels; ++level) {
+    const int64_t count = level == 0 && !first_done
+                              ? HistogramLevel(pool, split, first, level, hist, r)
+                              : HistogramLevel(pool, split, keys, level, hist, r);
+    if (level + 1 < kLevels && count <= cap) {
+      CompactAndFinish(pool, split, keys, level, *r, count, idx_out);
+      return true;
+    }
+  }
+  return false;
+}
+
+// The last pass when every digit came from the whole buffer: r.above[t] keys > the k-th largest
+// in thread t's range, r.inb[t] equal to it; the ties go to the lowest indices.
+template <typename Keys>
+void WriteSelection(ffi::ThreadPool& pool, const Split& split, Keys& keys, const Radix& r,
+                    int32_t* idx_out) {
+  const int64_t threads = split.threads;
+  const uint32_t kth = r.prefix;
+  std::vector<int64_t> quota(threads), off(threads + 1, 0);
+  int64_t left = r.need;
+  for (int64_t t = 0; t < threads; ++t) {
+    quota[t] = std::min(r.inb[t], left);
     left -= quota[t];
-    off[t + 1] = off[t] + above[t] + quota[t];
+    off[t + 1] = off[t] + r.above[t] + quota[t];
   }
   ParallelFor(pool, threads, [&](int64_t t) {
     uint32_t buf[kBlock];
     int64_t o = off[t], ties = 0;
-    for (int64_t b = bound(t); b < bound(t + 1); b += kBlock) {
-      const int64_t m = std::min(kBlock, bound(t + 1) - b);
+    for (int64_t b = split(t); b < split(t + 1); b += kBlock) {
+      const int64_t m = std::min(kBlock, split(t + 1) - b);
       keys(b, m, buf);
       for (int64_t j = 0; j < m; ++j) {
         if (buf[j] > kth || (buf[j] == kth && ties++ < quota[t])) {
@@ -337,10 +365,34 @@ void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, Firs
   });
 }
 
+// Selects the k largest keys of n. first(lo, m, buf) gives the keys in the first pass over the
+// whole buffer (it may also write, e.g. acc = x + r, so it runs exactly once on every element),
+// keys(lo, m, buf) in later passes, sample(lo, m, buf) before the first (it must not write).
+// Writes k increasing indices.
+//
+// The sampled pass first (see SampledPass), unless n is small or k > n/16; where it does not
+// finish the selection, the histogram passes, each level over the whole buffer until the keys
+// at or above the chosen bucket fit in k + n/8; where none does, a last pass writes them.
+template <typename Sample, typename First, typename Keys>
+void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, First first,
+                Keys keys, int32_t* idx_out) {
+  const Split split{n, Threads(pool, n)};
+  const int64_t cap = k + n / 8;
+  bool first_done = false;
+  if (n >= (int64_t{1} << 16) && k <= n / 16) {
+    if (SampledPass(pool, split, k, cap, sample, first, idx_out)) return;
+    first_done = true;
+  }
+  Radix r{0, k, std::vector<int64_t>(split.threads, 0), std::vector<int64_t>(split.threads, 0)};
+  if (HistogramPasses(pool, split, cap, first_done, first, keys, &r, idx_out)) return;
+  WriteSelection(pool, split, keys, r, idx_out);
+}
+
 // Asks for transparent huge pages on [p, p + bytes) (whole 2 MB pages inside it). XLA:CPU hands a
 // fresh buffer of n values to every call; its first touch then costs a page fault per 4 KB (more
 // than the zeroing itself) or, with this, one per 2 MB. Only where THP is in "madvise" mode does
-// it change anything; errors are ignored (it is a hint).
+// it change anything; errors are ignored (it is a hint). Measured there (bench_hugepages.py,
+// 100 MiB output, 3 processes): the scatter-add takes 0.29-0.31x the time without it.
 void HugePages(void* p, size_t bytes) {
   constexpr uintptr_t kHuge = uintptr_t{1} << 21;
   const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
@@ -348,19 +400,26 @@ void HugePages(void* p, size_t bytes) {
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
 }
 
-template <typename Raw>
-void SelectRaw(ffi::ThreadPool& pool, const void* data, void* values, int64_t n, int64_t k,
-               int32_t* idx) {
-  const Raw* x = static_cast<const Raw*>(data);
-  auto keys = [x](int64_t lo, int64_t m, uint32_t* buf) {
+// The key blocks the passes read: keys(lo, m, buf) writes key_at(i) for i in [lo, lo + m) into
+// buf and returns the largest (one vectorised loop; key_at may also write, as `first` does).
+template <typename KeyAt>
+auto KeyBlocks(KeyAt key_at) {
+  return [key_at](int64_t lo, int64_t m, uint32_t* buf) {
     uint32_t top = 0;
 #pragma omp simd reduction(max : top)
     for (int64_t j = 0; j < m; ++j) {
-      buf[j] = KeyOf(x[lo + j]);
+      buf[j] = key_at(lo + j);
       top = std::max(top, buf[j]);
     }
     return top;
   };
+}
+
+template <typename Raw>
+void SelectRaw(ffi::ThreadPool& pool, const void* data, void* values, int64_t n, int64_t k,
+               int32_t* idx) {
+  const Raw* x = static_cast<const Raw*>(data);
+  auto keys = KeyBlocks([x](int64_t i) { return KeyOf(x[i]); });
   SelectTopK(pool, n, k, keys, keys, keys, idx);
   Raw* v = static_cast<Raw*>(values);
   for (int64_t j = 0; j < k; ++j) v[j] = x[idx[j]];
@@ -410,30 +469,13 @@ ffi::Error TopKFeedbackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* g = x.typed_data();
   const float* res = r.typed_data();  // may be the same memory as acc (aliased)
   float* acc = new_r->typed_data();
-  auto first = [=](int64_t lo, int64_t m, uint32_t* buf) {
-    uint32_t top = 0;
-#pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < m; ++j) {
-      const float a = g[lo + j] + res[lo + j];
-      acc[lo + j] = a;
-      buf[j] = FloatKey(a);
-      top = std::max(top, buf[j]);
-    }
-    return top;
-  };
-  auto keys = [=](int64_t lo, int64_t m, uint32_t* buf) {
-    uint32_t top = 0;
-#pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < m; ++j) {
-      buf[j] = FloatKey(acc[lo + j]);
-      top = std::max(top, buf[j]);
-    }
-    return top;
-  };
-  auto sample = [=](int64_t lo, int64_t m, uint32_t* buf) {
-    for (int64_t j = 0; j < m; ++j) buf[j] = FloatKey(g[lo + j] + res[lo + j]);
-    return uint32_t{0};
-  };
+  auto first = KeyBlocks([=](int64_t i) {  // writes acc: runs once on every element
+    const float a = g[i] + res[i];
+    acc[i] = a;
+    return FloatKey(a);
+  });
+  auto keys = KeyBlocks([=](int64_t i) { return FloatKey(acc[i]); });
+  auto sample = KeyBlocks([=](int64_t i) { return FloatKey(g[i] + res[i]); });  // no writes
   int32_t* idx = indices->typed_data();
   SelectTopK(pool, n, k, sample, first, keys, idx);
   float* v = values->typed_data();
