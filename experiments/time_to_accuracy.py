@@ -173,9 +173,11 @@ class JaxRun:
     def put(old):
       value = np.full(old.shape, step, np.int32)
       return self.jax.make_array_from_callback(old.shape, old.sharding, lambda i: value[i])
-    comm = self.state.comm_state
+    opt = self.state.opt_state  # apply_if_finite_across((compressor, norm, optimizer))
+    comm = opt.inner_state[0]
+    inner = (comm._replace(count=put(comm.count)), *opt.inner_state[1:])
     self.state = self.state._replace(step=put(self.state.step),
-                                     comm_state=comm._replace(count=put(comm.count)))
+                                     opt_state=opt._replace(inner_state=inner))
 
 
 class TorchRun:

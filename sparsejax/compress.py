@@ -36,16 +36,12 @@ class TopKAllReduceState(NamedTuple):
   count: int32 number of updates so far (drives `density_schedule`).
   density: float32 density used at the last update.
   bytes_sent: float32 inter- plus intra-node bytes this worker sent at the last update.
-  skipped: bool, True if the last update saw a non-finite gradient and was skipped.
-  skipped_steps: int32 number of skipped updates so far.
   """
 
   residual: jax.Array | comm.Corrected | None
   count: jax.Array
   density: jax.Array
   bytes_sent: jax.Array
-  skipped: jax.Array
-  skipped_steps: jax.Array
 
 
 def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
@@ -60,12 +56,6 @@ def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
 def _check_density(name: str, value: float) -> None:
   if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
     raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-
-
-def _all_finite(x: jax.Array) -> jax.Array:
-  """bool[]: every value of `x` is finite. One fused reduction: `x * 0` is NaN exactly where x is
-  inf or NaN (`all(isfinite(x))` made XLA:CPU write a bool mask of the whole buffer first)."""
-  return jnp.isfinite(jnp.sum(x * 0.0))
 
 
 def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
@@ -175,8 +165,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     if momentum:
       residual = comm.Corrected(residual, jnp.zeros(shard, jnp.float32))
     return TopKAllReduceState(residual, jnp.zeros([], jnp.int32),
-                              jnp.float32(levels[0]), jnp.zeros([], jnp.float32),
-                              jnp.zeros([], bool), jnp.zeros([], jnp.int32))
+                              jnp.float32(levels[0]), jnp.zeros([], jnp.float32))
 
   def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None):
     del params
@@ -187,9 +176,6 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
           raise ValueError(f"state residual has shape {r.shape}, expected ({shard},): "
                            "was init run inside the same shard_map mesh?")
     flat = layout.ravel(updates, jnp.float32)
-    finite = lax.pmin(_all_finite(flat).astype(jnp.int32), axes).astype(bool)
-    if sparse:  # keep NaN out of the selection; a dense sum is simply masked afterwards
-      flat = jnp.where(finite, flat, 0.0)
     residual = state.residual if (sparse and error_feedback) else None
     n = layout.padded_size
 
@@ -229,17 +215,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       level_index = jnp.minimum(level_index, len(levels) - 1)
       total, new_res, sent = lax.switch(level_index, [run(lv) for lv in levels], flat, residual)
 
-    mean = jnp.where(finite, total / (nodes * local), 0.0)
-    if residual is not None:
-      new_res = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_res, state.residual)
-    else:
+    if residual is None:
       new_res = state.residual
-    out = layout.unravel(mean)
+    out = layout.unravel(total / (nodes * local))
     out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
-    skipped = ~finite
     new_state = TopKAllReduceState(
-        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[level_index], sent, skipped,
-        state.skipped_steps + skipped.astype(jnp.int32))
+        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[level_index], sent)
     return out, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

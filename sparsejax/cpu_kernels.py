@@ -170,7 +170,6 @@ def why_unavailable() -> str | None:
 
 def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Sequence[jax.Array],
            params: Sequence[jax.Array] | None, *, table: tuple[np.ndarray, ...], flat: bool,
-           skip: jax.Array | None = None,
            **attrs: Any) -> tuple[tuple[jax.Array, ...], list[jax.Array]]:
   """One fused update by the kernel `name` (sgd, lars, adamw, lamb) -> (new state, updates).
 
@@ -186,8 +185,6 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
       (`sparsejax.optim` builds it; decay_mask: 1 where the weight decay applies; flags: 1 = a
       real leaf, 2 = the trust ratio applies).
     flat: whether grads/params are the flat layout or the leaves.
-    skip: a bool scalar, or None (False); where set, zero updates and the state left as it is.
-      It goes to the kernel as its last traced scalar.
     **attrs: the kernel's static attributes (bools: nesterov, decayed; lamb has none).
   The new state is written over the old and the updates over the gradient (aliased operands).
   """
@@ -197,9 +194,10 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
   out = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (*state, *grads)]
   aliases = {1 + i: i for i in range(k + n)}  # operand 0 is `scalars`
   starts, decay_mask, flags = table
-  flag = jnp.zeros((1,), jnp.float32) if skip is None else jnp.reshape(skip, (1,))
+  # The kernels still read a skip flag as their last scalar (csrc/fused_update.cc, SkipStep);
+  # skipping is `sparsejax.apply_if_finite_across`'s job now, so it is always 0 here.
   scalars = jnp.concatenate([jnp.reshape(scalars, (-1,)).astype(jnp.float32),
-                             flag.astype(jnp.float32)])
+                             jnp.zeros((1,), jnp.float32)])
   res = jax.ffi.ffi_call(f"sparsejax_fused_{name}", out, input_output_aliases=aliases,
                          vmap_method="sequential")(
       scalars, *state, *grads, *(params or ()), starts=starts, decay_mask=decay_mask, flags=flags,

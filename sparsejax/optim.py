@@ -34,8 +34,8 @@ state (`optax.tree.map_params` relies on it); the moments count as the params' s
 
 State and arithmetic are float32 whatever the parameter dtype (unless `accumulator_dtype` /
 `mu_dtype` asks for another storage dtype); updates are cast back to the dtype of the incoming
-updates. `update(updates, state, params, skip=flag)` with a bool scalar `flag` returns zero
-updates and the unchanged state where it is set (a step with a non-finite gradient).
+updates. Skipping a step with a non-finite gradient is not their business: wrap the chain in
+`sparsejax.apply_if_finite_across`.
 """
 
 from __future__ import annotations
@@ -311,34 +311,10 @@ def _scalars(*values: Scalar) -> jax.Array:
 # ----------------------------------------------------------------------------- the two faces
 
 
-# A kernel call `(plan, grads, state, params, flat, skip) -> (updates, state)`: grads/params are
-# lists of float32 buffers, one flat buffer (flat=True) or one per leaf; skip a bool scalar or
-# None (see sparsejax.cpu_kernels.update).
-KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool, jax.Array | None],
-                    tuple[list, NamedTuple]]
-
-
-def _skip_flag(name: str, skip: Any) -> jax.Array | None:
-  """`skip` as a bool scalar array (None stays None), or a ValueError naming what is wrong."""
-  if skip is None:
-    return None
-  if jnp.shape(skip) != ():
-    raise ValueError(f"{name}: skip must be a scalar (bool), got shape {jnp.shape(skip)}")
-  return jnp.asarray(skip).astype(bool)
-
-
-def _skipped_xla(skip: jax.Array | None, u: jax.Array, old: NamedTuple,
-                 new: NamedTuple) -> tuple[jax.Array, NamedTuple]:
-  """The XLA path's skip: zero updates, the old state (a select XLA fuses into the update)."""
-  if skip is None:
-    return u, new
-  return jnp.where(skip, 0.0, u), jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
-
-
-def _skipped_kernel(skip: jax.Array | None, old: NamedTuple, new: NamedTuple) -> NamedTuple:
-  """The kernels zero the updates and leave the moments as they are on a skipped step; the count
-  is kept here."""
-  return new if skip is None else new._replace(count=jnp.where(skip, old.count, new.count))
+# A kernel call `(plan, grads, state, params, flat) -> (updates, state)`: grads/params are
+# lists of float32 buffers, one flat buffer (flat=True) or one per leaf (see
+# sparsejax.cpu_kernels.update).
+KernelFn = Callable[[_Plan, list, NamedTuple, list | None, bool], tuple[list, NamedTuple]]
 
 
 def _as_float32(state: NamedTuple) -> NamedTuple:
@@ -405,11 +381,8 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
     # itself, as in optax, where they are trees of the params' structure.
     return init_state(lambda dtype: params)
 
-  def empty_update(updates: Any, state: NamedTuple, skip: jax.Array | None):
-    count = optax.safe_increment(state.count)
-    if skip is not None:
-      count = jnp.where(skip, state.count, count)
-    return updates, state._replace(count=count)
+  def empty_update(updates: Any, state: NamedTuple):
+    return updates, state._replace(count=optax.safe_increment(state.count))
 
   def use_kernel(plan: _Plan) -> bool:
     return kernel is not None and not (pairs_matter and plan.has_complex)
@@ -422,12 +395,11 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
       get_plan(layout)  # a mask that does not match the parameters fails here
       return init_state(lambda dtype: jnp.zeros(layout.padded_size, dtype))
 
-    def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None, *,
-                  skip: Any = None, **extra_args: Any):
+    def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None,
+                  **extra_args: Any):
       del extra_args  # accepted and ignored, as optax's transforms do
-      skip = _skip_flag(name, skip)
       if _empty(updates):
-        return empty_update(updates, state, skip)
+        return empty_update(updates, state)
       check_flat("updates", updates, layout)
       check_params(params)
       if needs_params:
@@ -438,12 +410,11 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
       state32 = _as_float32(state)
 
       def on_xla():
-        u, new_state = update_flat(plan, g, state32, p)
-        return _skipped_xla(skip, u, state32, new_state)
+        return update_flat(plan, g, state32, p)
 
       def on_kernel():
-        us, new_state = kernel(plan, [g], state32, None if p is None else [p], True, skip)
-        return us[0], _skipped_kernel(skip, state32, new_state)
+        us, new_state = kernel(plan, [g], state32, None if p is None else [p], True)
+        return us[0], new_state
 
       u, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
       return u.astype(updates.dtype), _stored_like(new_state, state)
@@ -454,12 +425,10 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
       size = get_plan(flat_layout(params)).layout.padded_size
       return init_state(lambda dtype: jnp.zeros(size, dtype))
 
-    def update_fn(updates: Any, state: NamedTuple, params: Any = None, *, skip: Any = None,
-                  **extra_args: Any):
+    def update_fn(updates: Any, state: NamedTuple, params: Any = None, **extra_args: Any):
       del extra_args  # accepted and ignored, as optax's transforms do
-      skip = _skip_flag(name, skip)
       if _empty(updates):
-        return empty_update(updates, state, skip)
+        return empty_update(updates, state)
       lay = flat_layout(updates)
       check_params(params)
       plan = get_plan(lay)
@@ -469,16 +438,15 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
         g = lay.ravel(updates, jnp.float32)
         p = lay.ravel(params, jnp.float32) if needs_params else None
         u, new_state = update_flat(plan, g, state32, p)
-        u, new_state = _skipped_xla(skip, u, state32, new_state)
         return jax.tree.leaves(lay.unravel(u)), new_state
 
       def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
         gs = [_leaf_to_real(x) for x in lay.treedef.flatten_up_to(updates)]
         ps = ([_leaf_to_real(x) for x in lay.treedef.flatten_up_to(params)]
               if needs_params else None)
-        us, new_state = kernel(plan, gs, state32, ps, False, skip)
+        us, new_state = kernel(plan, gs, state32, ps, False)
         return ([_leaf_from_real(u, s, d) for u, s, d in zip(us, lay.shapes, lay.dtypes)],
-                _skipped_kernel(skip, state32, new_state))
+                new_state)
 
       us, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
       out = jax.tree.unflatten(lay.treedef, us)
@@ -537,12 +505,12 @@ def fused_sgd(learning_rate: ScalarOrSchedule, momentum: Scalar | None = None,
       g = g + momentum * trace if nesterov else trace
     return -lr * g, FusedMomentumState(optax.safe_increment(state.count), trace)
 
-  def kernel(plan, gs, state, ps, flat, skip):
+  def kernel(plan, gs, state, ps, flat):
     scalars = _scalars(_at(learning_rate, state.count), momentum,
                        _at(weight_decay, state.count) if decayed else 0.0)
     (trace,), us = cpu_kernels.update(
         "sgd", scalars, (state.momentum,), gs, ps if decayed else None, table=plan.table,
-        flat=flat, skip=skip, nesterov=nesterov, decayed=decayed)
+        flat=flat, nesterov=nesterov, decayed=decayed)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   # Without momentum the update is one elementwise pass: XLA's fusion already is the floor.
@@ -595,11 +563,11 @@ def fused_lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule =
     u = u + momentum * t if nesterov else t
     return u, FusedMomentumState(optax.safe_increment(state.count), t)
 
-  def kernel(plan, gs, state, ps, flat, skip):
+  def kernel(plan, gs, state, ps, flat):
     scalars = _scalars(_at(learning_rate, state.count), momentum,
                        _at(weight_decay, state.count), trust_coefficient, eps)
     (trace,), us = cpu_kernels.update(
-        "lars", scalars, (state.momentum,), gs, ps, table=plan.table, flat=flat, skip=skip,
+        "lars", scalars, (state.momentum,), gs, ps, table=plan.table, flat=flat,
         nesterov=nesterov)
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
@@ -686,14 +654,14 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
       u = u + _decay(plan, _at(weight_decay, state.count)) * p
     return -scalars[0] * u, FusedAdamState(count_inc, mu, nu)
 
-  def kernel(plan, gs, state, ps, flat, skip):
+  def kernel(plan, gs, state, ps, flat):
     count_inc = optax.safe_increment(state.count)
     scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov)
     scalars = jnp.concatenate([scalars, _scalars(
         b1, b2, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
-        flat=flat, skip=skip, decayed=decayed, nesterov=nesterov)
+        flat=flat, decayed=decayed, nesterov=nesterov)
     return us, FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_adamw", init_state, update_flat, kernel, plan_for, layout,
@@ -743,13 +711,13 @@ def fused_lamb(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0
     u = direction(mu, nu, p)
     return u * (ratio * -scalars[0]), FusedAdamState(count_inc, mu, nu)
 
-  def kernel(plan, gs, state, ps, flat, skip):
+  def kernel(plan, gs, state, ps, flat):
     count_inc = optax.safe_increment(state.count)
     scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, False)
     scalars = jnp.concatenate([scalars, _scalars(b1, b2, eps, eps_root,
                                                  _at(weight_decay, state.count))])
     (mu, nu), us = cpu_kernels.update(
-        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat, skip=skip)
+        "lamb", scalars, (state.mu, state.nu), gs, ps, table=plan.table, flat=flat)
     return us, FusedAdamState(count_inc, mu, nu)
 
   return _make("fused_lamb", init_state, update_flat, kernel, plan_for, layout,

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from sparsejax import cpu_kernels, optim
+from sparsejax import apply_if_finite_across, cpu_kernels, optim
 
 # One leaf above the kernels' split size (131,072 values), 266,534 values in all (above the
 # 262,144 from which the kernels use every thread of XLA's pool), odd sizes, a scalar.
@@ -60,23 +60,21 @@ def layout():
   return optim.flat_layout(tree(np.random.default_rng(0)))
 
 
-SKIPS = (False, True, False, False)  # the second step is skipped (a non-finite gradient)
-
-
 def run(case, layout, grads, params, face):
-  """Jitted updates of one face, `skip=` as in SKIPS; returns (updates per step as flat arrays,
-  states after each step)."""
-  tx = make(case, layout if face == "flat" else None)
+  """Jitted updates of one face inside `apply_if_finite_across` (a step with a non-finite
+  gradient is skipped); returns (updates per step as flat arrays, the optimizer's states after
+  each step)."""
+  tx = apply_if_finite_across(make(case, layout if face == "flat" else None))
   if face == "pytree":
     grads = [layout.unravel(g) for g in grads]
     params = layout.unravel(params)
   state = tx.init(params)
   update = jax.jit(tx.update)
   outs, states = [], []
-  for g, skip in zip(grads, SKIPS):
-    u, state = update(g, state, params, skip=jnp.asarray(skip))
+  for g in grads:
+    u, state = update(g, state, params)
     outs.append(np.asarray(u if face == "flat" else layout.ravel(u)))
-    states.append([np.asarray(x) for x in jax.tree.leaves(state)])
+    states.append([np.asarray(x) for x in jax.tree.leaves(state.inner_state)])
     params = optax.apply_updates(params, u)
   return outs, states
 
@@ -127,13 +125,6 @@ def test_the_update_is_one_custom_call_on_cpu(layout, name, face):
     assert "sparsejax_fused" not in compiled().as_text()
 
 
-def test_skip_must_be_a_scalar(layout):
-  tx = optim.fused_sgd(0.1, momentum=0.9, layout=layout)
-  g = jnp.zeros(layout.padded_size, jnp.float32)
-  with pytest.raises(ValueError, match=r"skip must be a scalar .* shape \(2,\)"):
-    tx.update(g, tx.init(g), g, skip=jnp.zeros(2, bool))
-
-
 def test_lowered_for_a_gpu_the_update_is_xla(layout):
   """The kernel is the CPU branch of `lax.platform_dependent`: a GPU lowering never sees it."""
   tx = optim.fused_lamb(0.1, layout=layout)
@@ -149,7 +140,7 @@ def test_without_a_compiler_the_xla_path_is_used(tmp_path, cxx, why):
   script = textwrap.dedent("""
       import warnings
       import jax, jax.numpy as jnp, numpy as np
-      from sparsejax import cpu_kernels, optim
+      from sparsejax import apply_if_finite_across, cpu_kernels, optim
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not cpu_kernels.available()

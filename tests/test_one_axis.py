@@ -148,7 +148,7 @@ def counting_selector(calls):
 @pytest.mark.parametrize("kind", ["pmap", "shard_map 2x4"])
 def test_multi_steps_selects_once_per_accumulated_step(rng, kind):
   """k = 4 over 8 micro-steps: the selection runs twice per worker (optax.MultiSteps: eight
-  times), and the updates are those of optax.MultiSteps, bit for bit."""
+  times), and the updates are those of optax.MultiSteps (to 1e-6)."""
   grads = rng.standard_normal((8, 8, 301)).astype(np.float32)  # worker, micro-step, value
   calls: list = []
   if kind == "pmap":
@@ -185,7 +185,10 @@ def test_multi_steps_selects_once_per_accumulated_step(rng, kind):
   (got, got_steps), calls_made = run(sj.multi_steps)
   assert optax_calls == 8 * 8  # 8 workers x 8 micro-steps: the counter counts
   assert calls_made == 8 * 2   # 8 workers x 2 accumulated steps
-  np.testing.assert_array_equal(got, want)
+  # A few ulp apart at most: XLA fuses the mean into the momentum update differently inside
+  # multi_steps' lax.cond than beside optax.MultiSteps' select (bit for bit while topk_allreduce
+  # still selected between the mean and zeros for non-finite steps), as for Adam below.
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
   np.testing.assert_array_equal(got_steps, want_steps)
   assert np.all(got_steps == 2)
   assert np.all(np.any(got[:, [3, 7]] != 0, axis=-1)) and np.all(got[:, [0, 1, 2, 4, 5, 6]] == 0)

@@ -266,7 +266,8 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   assert (trainer.momentum, trainer.nesterov, trainer.weight_decay) == (0.9, True, 5e-4)
   assert trainer.momentum_masking
   state = trainer.init(0, (8, 8, 1))
-  assert state.opt_state.momentum is None  # the optimizer has no momentum of its own
+  optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
+  assert optimizer_state.momentum is None  # the optimizer has no momentum of its own
   residual = state.comm_state.residual
   assert isinstance(residual, Corrected) and residual.velocity.shape == residual.residual.shape
   train, _ = data_lib.digits()

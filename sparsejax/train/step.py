@@ -5,10 +5,12 @@ of the global batch:
 
   params (flat, replicated) -> unravel -> loss and gradient (per-device BatchNorm statistics)
   -> ravel the gradient into the flat buffer -> topk_allreduce (residual, MSTopK, HiTopKComm)
-  -> fused optimizer on the flat buffer -> params + update (skipped if a gradient was not finite)
+  -> fused optimizer on the flat buffer -> params + update
 
-The train state holds the replicated parts once (params, optimizer state, step) and the
-per-worker parts (compression residuals, BatchNorm statistics) with a leading worker axis.
+The compressor and the optimizer are one chain wrapped in `apply_if_finite_across`: a step with
+a non-finite gradient on any worker changes nothing, on every worker. The train state holds the
+replicated parts once (params, step, the optimizer's and the wrapper's state) and the per-worker
+parts (the compressor's state, BatchNorm statistics) with a leading worker axis.
 """
 
 from __future__ import annotations
@@ -28,10 +30,22 @@ from jax.sharding import PartitionSpec as P
 from sparsejax import optim
 from sparsejax.compress import TopKAllReduceState, topk_allreduce
 from sparsejax.data import images as image_ops
+from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["TrainState", "Trainer", "build_optimizer"]
+__all__ = ["TrainState", "Trainer", "build_optimizer", "NormState", "record_norm"]
+
+
+def _per_worker(x: Any) -> bool:
+  """The parts of the state that differ per worker: the compressor's (its residual)."""
+  return isinstance(x, TopKAllReduceState)
+
+
+def _map_per_worker(fn: Callable, tree: Any) -> Any:
+  """`fn` applied to every leaf of the per-worker parts of `tree`; the rest as it is."""
+  return jax.tree.map(lambda x: jax.tree.map(fn, x) if _per_worker(x) else x, tree,
+                      is_leaf=_per_worker)
 
 
 class TrainState(NamedTuple):
@@ -39,18 +53,42 @@ class TrainState(NamedTuple):
 
   step: int32[], steps done (also the data position: batches are a function of the step).
   params: float32[padded_size], the flat parameters (replicated).
-  opt_state: the fused optimizer's state over the flat buffer (replicated).
-  comm_state: `TopKAllReduceState` per worker, leading axis = number of workers.
+  opt_state: the whole chain's state, an `optax.ApplyIfFiniteState` (its counters say how many
+    steps in a row were skipped) around `(compressor state, norm, optimizer state)`: the
+    compressor's `TopKAllReduceState` per worker (leading axis = number of workers), the rest
+    replicated.
   batch_stats: BatchNorm running statistics per worker, leading axis = number of workers.
-  consecutive_skips: int32[], steps in a row skipped for non-finite gradients.
   """
 
   step: jax.Array
   params: jax.Array
   opt_state: Any
-  comm_state: TopKAllReduceState
   batch_stats: Any
-  consecutive_skips: jax.Array
+
+  @property
+  def comm_state(self) -> TopKAllReduceState:
+    """The compressor's state (per worker)."""
+    return self.opt_state.inner_state[0]
+
+  @property
+  def consecutive_skips(self) -> jax.Array:
+    """int32[]: steps in a row skipped for non-finite gradients."""
+    return self.opt_state.notfinite_count
+
+
+class NormState(NamedTuple):
+  """norm: float32[], the L2 norm of the updates that last passed through `record_norm`."""
+
+  norm: jax.Array
+
+
+def record_norm() -> optax.GradientTransformation:
+  """Passes the updates through unchanged; its state keeps their L2 norm (a metric)."""
+  def update_fn(updates, state, params=None):
+    del state, params
+    return updates, NormState(optax.tree.norm(updates))
+
+  return optax.GradientTransformation(lambda _: NormState(jnp.zeros([], jnp.float32)), update_fn)
 
 
 def decay_mask(params: Any) -> Any:
@@ -77,6 +115,12 @@ def build_optimizer(opt, schedule: optax.Schedule, layout: FlatLayout
     return optim.fused_adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
   raise ValueError(f"unknown optimizer {opt.name!r}; allowed: sgd, lars, lamb, adamw")
+
+
+def _opt_specs(opt_state: Any) -> Any:
+  """The chain state's PartitionSpecs: per worker for the compressor's part, else replicated."""
+  return jax.tree.map(lambda x: jax.tree.map(lambda _: P(WORKERS), x) if _per_worker(x) else P(),
+                      opt_state, is_leaf=_per_worker)
 
 
 def _first(tree: Any) -> Any:
@@ -135,6 +179,7 @@ class Trainer:
                                momentum_masking=self.momentum_masking)
     self.layout: FlatLayout | None = None
     self.optimizer: optax.GradientTransformation | None = None
+    self.tx: optax.GradientTransformation | None = None
 
   # ------------------------------------------------------------------ placement helpers
 
@@ -142,10 +187,8 @@ class Trainer:
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(self.mesh, spec)), tree)
 
   def state_specs(self, state: TrainState) -> TrainState:
-    rep, per = P(), P(WORKERS)
-    return TrainState(rep, rep, jax.tree.map(lambda _: rep, state.opt_state),
-                      jax.tree.map(lambda _: per, state.comm_state),
-                      jax.tree.map(lambda _: per, state.batch_stats), rep)
+    return TrainState(P(), P(), _opt_specs(state.opt_state),
+                      jax.tree.map(lambda _: P(WORKERS), state.batch_stats))
 
   # ------------------------------------------------------------------ init
 
@@ -161,15 +204,22 @@ class Trainer:
     params, batch_stats = variables["params"], variables.get("batch_stats", {})
     self.layout = optim.flat_layout(params, pad_to=self.local)
     self.optimizer = self.make_optimizer(self.layout)
+    self.tx = apply_if_finite_across(optax.chain(self.comm, record_norm(), self.optimizer),
+                                     WORKERS)
     flat = self.layout.ravel(params, jnp.float32)
-    opt_state = self.optimizer.init(flat)
-    comm_init = jax.jit(jax.shard_map(lambda f: _stack(self.comm.init(f)), mesh=self.mesh,
-                                      in_specs=P(), out_specs=P(WORKERS)))
-    comm_state = comm_init(self._put(flat, P()))
+
+    def init_opt(f):
+      return _map_per_worker(lambda x: jnp.asarray(x)[None], self.tx.init(f))
+
+    # the compressor's state is per worker: init runs where the axes are bound
+    shapes = jax.eval_shape(jax.shard_map(init_opt, mesh=self.mesh, in_specs=P(),
+                                          out_specs=P(), check_vma=False), flat)
+    opt_init = jax.jit(jax.shard_map(init_opt, mesh=self.mesh, in_specs=P(),
+                                     out_specs=_opt_specs(shapes), check_vma=False))
+    opt_state = opt_init(self._put(flat, P()))
     stats = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.num_workers,) + x.shape),
                          batch_stats)
-    state = TrainState(jnp.zeros([], jnp.int32), flat, opt_state, comm_state, stats,
-                       jnp.zeros([], jnp.int32))
+    state = TrainState(jnp.zeros([], jnp.int32), flat, opt_state, stats)
     return self.place(state)
 
   def place(self, state: TrainState) -> TrainState:
@@ -225,10 +275,11 @@ class Trainer:
 
   def train_step_fn(self, state_like: TrainState) -> Callable:
     """`(state, images, labels) -> (state, metrics)`, jitted, the state donated."""
-    layout, optimizer, comm = self.layout, self.optimizer, self.comm
+    layout, tx = self.layout, self.tx
 
     def body(state: TrainState, images, labels):
-      comm_state, batch_stats = _first(state.comm_state), _first(state.batch_stats)
+      opt_state = _map_per_worker(lambda x: x[0], state.opt_state)
+      batch_stats = _first(state.batch_stats)
       params = layout.unravel(state.params)
       rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), state.step),
                                jax.lax.axis_index(WORKERS))
@@ -238,26 +289,24 @@ class Trainer:
         grads = jax.tree.map(lambda g, p, m: g + self.weight_decay * p if m else g,
                              grads, params, decay_mask(params))
       flat_grads = layout.ravel(grads, jnp.float32)
-      mean_grads, comm_state = comm.update(flat_grads, comm_state)
-      skipped = comm_state.skipped
-      # A skipped step (non-finite gradient somewhere): the fused optimizer returns zero updates
-      # and its state as it was. Done inside the update, not by a select between old and new
-      # state afterwards: on CPU the update is a kernel that writes the state in place, so such
-      # a select would first copy the old state (100 MB for ResNet-50's momentum).
-      updates, opt_state = optimizer.update(mean_grads, state.opt_state, state.params,
-                                            skip=skipped)
+      # A non-finite gradient on any worker: zero updates and the whole chain's state as it was
+      # (apply_if_finite_across), on every worker.
+      updates, opt_state = tx.update(flat_grads, opt_state, state.params)
+      skipped = ~opt_state.last_finite
 
       def keep(old, new):
         return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
       new_state = TrainState(
-          state.step + 1, state.params + updates, opt_state, _stack(comm_state),
-          _stack(keep(batch_stats, new_stats)),
-          jnp.where(skipped, state.consecutive_skips + 1, 0))
+          state.step + 1, state.params + updates,
+          _map_per_worker(lambda x: x[None], opt_state), _stack(keep(batch_stats, new_stats)))
+      comm_state, norm_state = opt_state.inner_state[0], opt_state.inner_state[1]
       metrics = {"loss": loss, **self._accuracy(logits, labels)}
       metrics = jax.lax.pmean(metrics, WORKERS)
-      metrics.update(grad_norm=jnp.sqrt(jnp.sum(mean_grads * mean_grads)),
-                     density=comm_state.density, bytes_sent=comm_state.bytes_sent,
+      # a skipped step sent nothing and its aggregated gradient is zero
+      metrics.update(grad_norm=jnp.where(skipped, 0.0, norm_state.norm),
+                     density=comm_state.density,
+                     bytes_sent=jnp.where(skipped, 0.0, comm_state.bytes_sent),
                      skipped=skipped.astype(jnp.float32))
       if self.learning_rate is not None:
         metrics["learning_rate"] = jnp.asarray(self.learning_rate(state.step), jnp.float32)
