@@ -6,9 +6,9 @@ sparsejax` does not import grain, TFDS or flax).
 
 import importlib
 
-from sparsejax import accumulate, comm, compress, finite, flat, hlo, optim, topk
+from sparsejax import accumulate, comm, compress, feedback, finite, flat, hlo, optim, topk
 from sparsejax.accumulate import multi_steps
-from sparsejax.compress import topk_allreduce
+from sparsejax.compress import dense_mean, hierarchical_mean, topk_allreduce
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.optim import fused_adamw, fused_lamb, fused_lars, fused_sgd
@@ -16,8 +16,9 @@ from sparsejax.topk import exact_topk, mstopk, sampled_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["accumulate", "comm", "compress", "finite", "flat", "hlo", "optim", "topk",
-           "FlatLayout", "topk_allreduce", "apply_if_finite_across", "multi_steps", "mstopk",
+__all__ = ["accumulate", "comm", "compress", "feedback", "finite", "flat", "hlo", "optim", "topk",
+           "FlatLayout", "topk_allreduce", "dense_mean", "hierarchical_mean",
+           "apply_if_finite_across", "multi_steps", "mstopk",
            "exact_topk", "sampled_topk", "fused_sgd", "fused_lars", "fused_lamb", "fused_adamw"]
 
 _LAZY = ("data", "models", "train")

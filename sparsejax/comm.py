@@ -4,9 +4,11 @@ The flat collectives (dense, TopK all-gather) run over one axis name or a tuple 
 code binds them (`pmap(axis_name="batch")`, a 1-D `("data",)` mesh, or several mesh axes). The
 hierarchical ones take two: a slow `node` axis (the network between machines) and a fast `local`
 axis (links inside a machine). Every function takes axis names, never devices, and returns the SUM
-over all workers, identical on every worker. The sparse ones also return the error-feedback
-residual: what this worker did not send (with momentum correction, a `Corrected` pair: residual and
-velocity).
+over all workers, identical on every worker. The sparse ones are also given in two halves around
+the selection (`SparseCollective`: `sparse_allgather`, `sparse_hitopk`), so that selection and
+error feedback (`sparsejax.feedback`) stay separate pieces; `topk_allgather` and
+`hitopk_allreduce` compose them with `feedback_select` and also return what was not sent (a
+`Feedback`).
 
   dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
   hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
@@ -17,7 +19,7 @@ velocity).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -26,30 +28,15 @@ from jax import lax
 
 from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
+from sparsejax.feedback import Feedback, check_feedback, feedback_select
 
-__all__ = ["dense_allreduce", "hierarchical_allreduce", "topk_allgather", "hitopk_allreduce",
-           "wire_bytes", "axis_size", "axis_names", "Corrected", "ALGORITHMS",
-           "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
+__all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "sparse_allgather",
+           "sparse_hitopk", "topk_allgather", "hitopk_allreduce", "wire_bytes", "axis_size",
+           "axis_names", "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
 SPARSE_ALGORITHMS = ("allgather", "hitopk")  # the ones that select top-k (and keep a residual)
 HIERARCHICAL_ALGORITHMS = ("hierarchical", "hitopk")  # the ones over two axes (slow, fast)
-
-
-class Corrected(NamedTuple):
-  """Error feedback with momentum correction (DGC: Lin et al., ICLR 2018), per worker buffer.
-
-  velocity: the local momentum `u <- momentum * u + x` (Nesterov: the sent candidate is
-    `x + momentum * u`), accumulated BEFORE selection, so a coordinate sent late carries the
-    momentum it would have had; the optimizer then runs without momentum.
-  residual: the accumulated candidates not sent yet (error feedback).
-  The residual is zeroed where a value was sent; the velocity too with momentum factor masking
-  (DGC's choice: no stale momentum after a delayed update). Without masking the velocity runs on,
-  and what is sent plus what is kept equals exactly what momentum SGD would have applied.
-  """
-
-  residual: jax.Array
-  velocity: jax.Array
 
 
 def axis_names(algorithm: str, axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -118,46 +105,6 @@ def hierarchical_allreduce(x: jax.Array, *, node_axis: str, local_axis: str) -> 
   return lax.all_gather(shard, local_axis, axis=0, tiled=True)
 
 
-def _check_feedback(residual, n: int, momentum: float) -> None:
-  if not 0 <= momentum < 1:
-    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-  if momentum and not isinstance(residual, Corrected):
-    raise ValueError("momentum correction needs residual=Corrected(residual, velocity), got "
-                     f"{type(residual).__name__}")
-  if isinstance(residual, Corrected) and not momentum:
-    raise ValueError("residual is a Corrected pair but momentum is 0: pass momentum in (0, 1)")
-  for name, r in zip(("residual", "velocity"),
-                     residual if isinstance(residual, Corrected) else (residual,), strict=False):
-    if r is not None and r.shape != (n,):
-      raise ValueError(f"{name} must have shape ({n},) like the buffer it corrects, "
-                       f"got {r.shape}")
-
-
-def _feedback_select(x: jax.Array, residual, k: int, select, momentum: float, nesterov: bool,
-                     masking: bool):
-  """(values, indices, new residual) of the k largest |x + residual| (momentum-corrected)."""
-  if isinstance(residual, Corrected):
-    dtype = residual.residual.dtype
-    velocity = momentum * residual.velocity + x.astype(dtype)
-    # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
-    # kernel (topk.select_feedback).
-    term = x.astype(dtype) + momentum * velocity if nesterov else velocity
-    values, indices, new_residual = topk_lib.select_feedback(select, term, residual.residual, k)
-  elif residual is None:
-    velocity = None
-    values, indices = topk_lib.get_selector(select)(x, k)
-    new_residual = x.at[indices].set(0, unique_indices=True)
-  else:
-    velocity = None
-    values, indices, new_residual = topk_lib.select_feedback(select, x.astype(residual.dtype),
-                                                             residual, k)
-  if velocity is not None:
-    if masking:
-      velocity = velocity.at[indices].set(0, unique_indices=True)
-    new_residual = Corrected(new_residual, velocity)
-  return values, indices, new_residual
-
-
 def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
   all_v = lax.all_gather(values, axes, axis=0, tiled=True)
@@ -174,52 +121,105 @@ def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   return xla(all_v, all_i)
 
 
+class SparseCollective(NamedTuple):
+  """A sparse collective, cut around the selection so that selection and error feedback are
+  separate pieces (see `sparsejax.compress.topk_allreduce`).
+
+  name: the algorithm ("allgather", "hitopk"; what `wire_bytes` counts).
+  axes: the axis names it runs over (the last one is the axis the buffer is padded for).
+  scatter: `x (n,) -> part`: what this worker selects from (x itself for TopK all-gather, this
+    worker's shard of its node's sum for HiTopKComm).
+  gather: `(values, indices, len(part)) -> total (n,)`: the SUM over all workers of every
+    worker's pairs, identical on every worker.
+  """
+
+  name: str
+  axes: tuple[str, ...]
+  scatter: Callable[[jax.Array], jax.Array]
+  gather: Callable[[jax.Array, jax.Array, int], jax.Array]
+
+
+def sparse_allgather(axes: str | Sequence[str]) -> SparseCollective:
+  """TopK all-gather's collective: every worker's (value, index) pairs to every other worker
+  over `axes`, scatter-added into a dense buffer."""
+  names = axes if isinstance(axes, str) else tuple(axes)
+
+  def scatter(x: jax.Array) -> jax.Array:
+    _check_1d(x, "topk_allgather")
+    axis_size(names)
+    return x
+
+  return SparseCollective("allgather", (names,) if isinstance(names, str) else names, scatter,
+                          lambda values, indices, n: _gather_sum(values, indices, n, names))
+
+
+def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
+  """HiTopKComm's collective (Shi et al., 2021): reduce-scatter inside a node (each worker gets
+  shard i of its node's sum, length n/M), then the shard's pairs all-gathered over `node_axis`
+  (the only inter-node traffic: k pairs instead of n/M values) and scatter-added, and the shards
+  all-gathered over `local_axis`."""
+  def scatter(x: jax.Array) -> jax.Array:
+    n = _check_1d(x, "hitopk_allreduce")
+    m = axis_size(local_axis)
+    axis_size(node_axis)
+    _check_divisible(n, m, local_axis)
+    return lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+
+  def gather(values: jax.Array, indices: jax.Array, length: int) -> jax.Array:
+    shard_total = _gather_sum(values, indices, length, node_axis)
+    return lax.all_gather(shard_total, local_axis, axis=0, tiled=True)
+
+  return SparseCollective("hitopk", (node_axis, local_axis), scatter, gather)
+
+
+def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
+                      residual: Feedback | None, select, momentum: float, nesterov: bool,
+                      masking: bool) -> tuple[jax.Array, Feedback]:
+  part = collective.scatter(x)
+  topk_lib.check_k(part, k)
+  check_feedback(residual, part.shape[0], momentum)
+  values, indices, new_residual = feedback_select(part, residual, k, select, momentum=momentum,
+                                                  nesterov=nesterov, masking=masking)
+  return collective.gather(values, indices, part.shape[0]), new_residual
+
+
 def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
-                   residual: jax.Array | Corrected | None = None,
+                   residual: Feedback | None = None,
                    select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                   momentum_masking: bool = True) -> tuple[jax.Array, jax.Array | Corrected]:
-  """TopK all-gather: each worker sends its k largest |x + residual| to every other worker.
+                   momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+  """TopK all-gather: each worker sends its k largest |x + residual| to every other worker
+  (`feedback_select`, then `sparse_allgather(axes)`).
 
   Args:
     x: this worker's 1-D buffer, length n.
     k: pairs each worker sends, 1 <= k <= n.
     axes: mesh axis name(s) the workers span.
-    residual: error feedback from the last step, shape (n,) (its dtype is the accumulation dtype),
-      or with momentum correction a `Corrected(residual, velocity)` pair of such arrays.
+    residual: error feedback from the last step, a `Feedback` of shape (n,) buffers (a velocity
+      too with momentum correction), or None.
     select: a selector `(x, k) -> (values, indices)` or its name ("mstopk", "exact", "sampled").
-    momentum, nesterov: momentum correction (needs a `Corrected` residual; 0 = none).
+    momentum, nesterov: momentum correction (needs a velocity; 0 = none).
     momentum_masking: zero the velocity where sent (DGC's momentum factor masking).
 
   Returns:
     `(total, new_residual)`: `total` (n,) is the sum over workers of what each sent, identical on
-    every worker; `new_residual = (x + residual) - sent` (a `Corrected` pair if one came in).
+    every worker; `new_residual` a `Feedback` with `residual = (x + residual) - sent`.
   """
-  n = _check_1d(x, "topk_allgather")
-  topk_lib.check_k(x, k)
-  axes = axes if isinstance(axes, str) else tuple(axes)
-  axis_size(axes)
-  _check_feedback(residual, n, momentum)
-  values, indices, new_residual = _feedback_select(x, residual, k, select, momentum, nesterov,
-                                                     momentum_masking)
-  return _gather_sum(values, indices, n, axes), new_residual
+  return _sparse_allreduce(sparse_allgather(axes), x, k, residual, select, momentum, nesterov,
+                           momentum_masking)
 
 
 def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
-                     residual: jax.Array | Corrected | None = None,
+                     residual: Feedback | None = None,
                      select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                     momentum_masking: bool = True) -> tuple[jax.Array, jax.Array | Corrected]:
-  """HiTopKComm (Shi et al., 2021): dense inside a node, sparse between nodes.
-
-  Worker i of a node reduce-scatters `x` over `local_axis` and gets shard i of its node's sum
-  (length n/M), adds its residual, selects k pairs, all-gathers them over `node_axis` (the only
-  inter-node traffic: k pairs instead of n/M values), scatter-adds them into the shard, and
-  all-gathers the shards over `local_axis`.
+                     momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+  """HiTopKComm (Shi et al., 2021): dense inside a node, sparse between nodes
+  (`sparse_hitopk(node_axis, local_axis)` around `feedback_select`).
 
   Args:
     x: this worker's 1-D buffer, length n, a multiple of the local axis size M.
     k: pairs sent per shard, 1 <= k <= n/M.
     node_axis, local_axis: mesh axis names.
-    residual: error feedback for this worker's shard, shape (n/M,), or a `Corrected` pair.
+    residual: error feedback for this worker's shard, a `Feedback` of shape (n/M,) buffers.
     select: selector or its name.
     momentum, nesterov: momentum correction of the shard (of the node's summed gradient: the
       sum of the workers' momenta is the momentum of their sum, so one velocity per shard is exact).
@@ -229,17 +229,8 @@ def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
     `(total, new_residual)`: `total` (n,) the sum over all workers of what was sent, identical on
     every worker; `new_residual` (n/M,) what this worker's shard kept back.
   """
-  n = _check_1d(x, "hitopk_allreduce")
-  m = axis_size(local_axis)
-  axis_size(node_axis)
-  _check_divisible(n, m, local_axis)
-  shard = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
-  topk_lib.check_k(shard, k)
-  _check_feedback(residual, n // m, momentum)
-  values, indices, new_residual = _feedback_select(shard, residual, k, select, momentum,
-                                                     nesterov, momentum_masking)
-  shard_total = _gather_sum(values, indices, n // m, node_axis)
-  return lax.all_gather(shard_total, local_axis, axis=0, tiled=True), new_residual
+  return _sparse_allreduce(sparse_hitopk(node_axis, local_axis), x, k, residual, select,
+                           momentum, nesterov, momentum_masking)
 
 
 def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,

@@ -1,11 +1,17 @@
-"""Gradient compression as an optax `GradientTransformation`: top-k all-reduce with error feedback.
+"""The compressed mean of the gradient over the workers, as optax `GradientTransformation`s.
 
-`topk_allreduce(...)` is called inside `shard_map` or `pmap` over the axes it is given (one name or
-several for dense and TopK all-gather, `(node, local)` for the hierarchical algorithms), like
-optax's transforms that take an axis name. `update` ravels the gradient pytree once into a flat
-float32 buffer, adds the residual, runs the chosen collective and returns the MEAN over all workers
-with the gradient's own structure and dtypes. Its state is per worker (the residual differs on
-every worker), so `init` also runs inside `shard_map`.
+`topk_allreduce(...)` composes four pieces, each its own function: a selector (`sparsejax.topk`),
+error feedback with or without momentum correction (`sparsejax.feedback`), a sparse collective
+(`sparsejax.comm.sparse_allgather` / `sparse_hitopk`) and a density schedule (`density_levels`,
+`_level`). The uncompressed baselines are transforms of their own, named for what they are:
+`dense_mean` (one all-reduce) and `hierarchical_mean` (reduce-scatter, all-reduce, all-gather);
+`topk_allreduce(algorithm="dense" | "hierarchical")` returns them.
+
+Each is called inside `shard_map` or `pmap` over the axes it is given, like optax's transforms
+that take an axis name. `update` ravels the gradient pytree once into a flat float32 buffer, runs
+the collective and returns the MEAN over all workers with the gradient's own structure and
+dtypes. The state is per worker (the residual differs on every worker), so `init` also runs
+inside `shard_map`. Skipping non-finite steps is `sparsejax.apply_if_finite_across`'s job.
 """
 
 from __future__ import annotations
@@ -21,27 +27,32 @@ from jax import lax
 
 from sparsejax import comm
 from sparsejax import topk as topk_lib
+from sparsejax.feedback import Feedback, feedback_select, init_feedback
 from sparsejax.flat import FlatLayout
 
-__all__ = ["TopKAllReduceState", "topk_allreduce", "density_levels"]
+__all__ = ["ExchangeState", "TopKAllReduceState", "topk_allreduce", "dense_mean",
+           "hierarchical_mean", "density_levels"]
 
 
-class TopKAllReduceState(NamedTuple):
-  """Per-worker state of `topk_allreduce`.
+class ExchangeState(NamedTuple):
+  """Per-worker state of `topk_allreduce`, `dense_mean` and `hierarchical_mean`.
 
-  residual: float32[r], what this worker has not sent yet (r = padded n for "allgather", padded
-    n / local for "hitopk"); with momentum correction a `comm.Corrected(residual, velocity)` pair
-    of such arrays; None for the dense algorithms or without error feedback (no zero-size
+  feedback: what this worker has not sent yet, a `Feedback(residual, velocity)` of float32[r]
+    buffers (r = padded n for "allgather", padded n / local for "hitopk"; velocity only with
+    momentum correction); None for the dense baselines or without error feedback (no zero-size
     arrays: XLA and orbax both handle those badly).
   count: int32 number of updates so far (drives `density_schedule`).
-  density: float32 density used at the last update.
+  density: float32 density used at the last update (1 for the dense baselines).
   bytes_sent: float32 inter- plus intra-node bytes this worker sent at the last update.
   """
 
-  residual: jax.Array | comm.Corrected | None
+  feedback: Feedback | None
   count: jax.Array
   density: jax.Array
   bytes_sent: jax.Array
+
+
+TopKAllReduceState = ExchangeState  # the name it had when only topk_allreduce used it
 
 
 def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
@@ -53,9 +64,31 @@ def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
   return tuple(levels) + (1.0,)
 
 
-def _check_density(name: str, value: float) -> None:
-  if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
-    raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Array) -> jax.Array:
+  """int32[]: the index of the level the schedule's density at `count` is rounded up to."""
+  if len(levels) == 1:
+    return jnp.int32(0)
+  wanted = jnp.asarray(schedule(count), jnp.float32)
+  index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(jnp.int32)
+  return jnp.minimum(index, len(levels) - 1)
+
+
+def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: Any,
+                nesterov: bool, momentum_masking: Any) -> None:
+  if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
+    raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+  if algorithm not in comm.ALGORITHMS:
+    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
+  if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+    raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+  if momentum and not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
+    raise ValueError(f"momentum correction (momentum={momentum!r}) needs a sparse algorithm "
+                     f"(hitopk, allgather) with error feedback, got algorithm={algorithm!r}, "
+                     f"error_feedback={error_feedback!r}; otherwise use the optimizer's momentum")
+  if nesterov and not momentum:
+    raise ValueError("nesterov=True needs momentum > 0")
+  if not isinstance(momentum_masking, bool):
+    raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
 
 
 def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
@@ -77,6 +110,107 @@ def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
   return comm.axis_names(algorithm, pair)
 
 
+def _workers(algorithm: str, axes: tuple[str, ...]) -> tuple[int, int]:
+  """(nodes, local): workers over all axes but the last, and over the last (the buffer is padded
+  to a multiple of it; for a hierarchical algorithm the two are the slow and the fast axis)."""
+  try:
+    sizes = [comm.axis_size(a) for a in axes]
+  except ValueError as e:
+    raise ValueError(f"{algorithm} runs over the axes {axes}: {e}") from e
+  return math.prod(sizes[:-1]), sizes[-1]
+
+
+def _mean_out(total: jax.Array, workers: int, layout: FlatLayout, updates: Any) -> Any:
+  """The summed flat buffer as the mean, with the structure and dtypes of `updates`."""
+  out = layout.unravel(total / workers)
+  return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
+
+
+def _dense(algorithm: str, axes: tuple[str, ...],
+           reduce: Callable[[jax.Array], jax.Array]) -> optax.GradientTransformation:
+  """The mean by an uncompressed all-reduce `reduce` (flat buffer -> sum over workers)."""
+  def init_fn(params: Any) -> ExchangeState:
+    del params
+    _workers(algorithm, axes)  # a clear error where the axes are not bound
+    return ExchangeState(None, jnp.zeros([], jnp.int32), jnp.float32(1.0),
+                         jnp.zeros([], jnp.float32))
+
+  def update_fn(updates: Any, state: ExchangeState, params: Any = None):
+    del params
+    nodes, local = _workers(algorithm, axes)
+    layout = FlatLayout.from_tree(updates, pad_to=local)
+    total = reduce(layout.ravel(updates, jnp.float32))
+    sent = comm.wire_bytes(algorithm, n=layout.padded_size, nodes=nodes, local=local)
+    return _mean_out(total, nodes * local, layout, updates), ExchangeState(
+        None, state.count + 1, jnp.float32(1.0), jnp.float32(sent["inter"] + sent["intra"]))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dense_mean(axis_name: str | tuple[str, ...] = ("node", "local")
+               ) -> optax.GradientTransformation:
+  """The uncompressed baseline: the mean over `axis_name` (one name or several) by one psum,
+  a flat ring in which every byte crosses the network. State: `ExchangeState` (no feedback)."""
+  axes = comm.axis_names("dense", axis_name)
+  return _dense("dense", axes, lambda x: comm.dense_allreduce(x, axes=axes))
+
+
+def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
+                      ) -> optax.GradientTransformation:
+  """The uncompressed hierarchical baseline: reduce-scatter over `local_axis` (fast), all-reduce
+  of the shard over `node_axis` (slow), all-gather over `local_axis`; the mean over both."""
+  axes = comm.axis_names("hierarchical", (node_axis, local_axis))
+  return _dense("hierarchical", axes, lambda x: comm.hierarchical_allreduce(
+      x, node_axis=node_axis, local_axis=local_axis))
+
+
+def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[float, ...],
+            density_schedule: Callable | None, error_feedback: bool, momentum: float,
+            feedback_args: dict) -> optax.GradientTransformation:
+  """The mean through `collective`, `select`ing at one of `levels` per step, with error
+  feedback (`feedback_select(..., **feedback_args)`) if `error_feedback`."""
+  def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
+    nodes, local = _workers(f"topk_allreduce(algorithm={collective.name!r})", collective.axes)
+    layout = FlatLayout.from_tree(tree, pad_to=local)
+    part = layout.padded_size // local if collective.name == "hitopk" else layout.padded_size
+    return layout, nodes, local, part
+
+  def init_fn(params: Any) -> ExchangeState:
+    part = shapes(params)[-1]
+    feedback = init_feedback(part, momentum) if error_feedback else None
+    return ExchangeState(feedback, jnp.zeros([], jnp.int32), jnp.float32(levels[0]),
+                         jnp.zeros([], jnp.float32))
+
+  def update_fn(updates: Any, state: ExchangeState, params: Any = None):
+    del params
+    layout, nodes, local, part_len = shapes(updates)
+    for r in jax.tree.leaves(state.feedback):
+      if r.shape != (part_len,):
+        raise ValueError(f"state residual has shape {r.shape}, expected ({part_len},): "
+                         "was init run inside the same shard_map mesh?")
+    part = collective.scatter(layout.ravel(updates, jnp.float32))
+
+    def at(level: float) -> Callable:
+      def run(part: jax.Array, feedback: Feedback | None):
+        k = max(1, round(level * part_len))
+        topk_lib.check_k(part, k)
+        values, indices, kept = feedback_select(part, feedback, k, select, **feedback_args)
+        return collective.gather(values, indices, part_len), kept if error_feedback else None
+      return run
+
+    index = _level(levels, density_schedule, state.count)
+    runs = [at(level) for level in levels]
+    total, feedback = (runs[0](part, state.feedback) if len(levels) == 1
+                       else lax.switch(index, runs, part, state.feedback))
+    sent = [comm.wire_bytes(collective.name, n=layout.padded_size, k=max(1, round(lv * part_len)),
+                            nodes=nodes, local=local) for lv in levels]
+    return _mean_out(total, nodes * local, layout, updates), ExchangeState(
+        feedback, state.count + 1, jnp.asarray(levels, jnp.float32)[index],
+        jnp.asarray([s["inter"] + s["intra"] for s in sent], jnp.float32)[index])
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    selector: str | Callable = "mstopk",
                    axis_name: str | tuple[str, ...] | None = None,
@@ -90,8 +224,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   Args:
     density: fraction of each buffer sent per step, in (0, 1]; `k = max(1, round(density * L))`
       where L is the shard length (padded n / local for "hitopk", padded n for "allgather").
-    algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather), "hierarchical" or "dense"
-      (uncompressed baselines; density is then ignored).
+    algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather); "hierarchical" or "dense"
+      return the uncompressed baselines `hierarchical_mean` / `dense_mean` (density, selector,
+      error feedback and schedule are then ignored).
     selector: "mstopk", "exact", "sampled", or a callable `(x, k) -> (values, indices)`.
     axis_name: the axes the workers span, as JAX code binds them: one name
       (`jax.pmap(..., axis_name="batch")`, a 1-D mesh) or a tuple of names for "dense" and
@@ -99,21 +234,21 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       None (default): `(node_axis, local_axis)`.
     node_axis, local_axis: the same as two names (slow, fast), the default spelling; a None one
       is left out (for the flat algorithms). Give either these or `axis_name`.
-    error_feedback: keep what was not sent and add it next step.
+    error_feedback: keep what was not sent and add it next step (`sparsejax.feedback`).
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
       shapes stay static; each level compiles once and one runs per step.
-    momentum, nesterov: momentum correction (DGC, Lin et al. 2018; `comm.Corrected`): the
-      momentum is accumulated per worker BEFORE top-k selection, so the returned mean already
-      carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
+    momentum, nesterov: momentum correction (DGC, Lin et al. 2018; a `Feedback` with a
+      velocity): the momentum is accumulated per worker BEFORE top-k selection, so the returned
+      mean already carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
       0 (default) = plain error feedback; needs a sparse algorithm and error feedback.
     momentum_masking: with momentum correction, also zero the velocity where sent (DGC's
       momentum factor masking). False lets it run on: sent plus kept is then exactly what
       momentum SGD applies (better in sparsejax's convergence study, see the README).
 
   Returns:
-    An `optax.GradientTransformation`; `init` and `update` must run where the axes are bound
-    (inside `shard_map` or `pmap`).
+    An `optax.GradientTransformation` with an `ExchangeState`; `init` and `update` must run where
+    the axes are bound (inside `shard_map` or `pmap`).
 
   Example:
     >>> tx = optax.chain(topk_allreduce(0.001), optax.sgd(0.1, momentum=0.9))
@@ -123,105 +258,15 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     ...                  optax.sgd(0.1, momentum=0.9))
     >>> # inside jax.pmap(..., axis_name="batch"): the same calls
   """
-  _check_density("density", density)
-  if algorithm not in comm.ALGORITHMS:
-    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
+  _check_args(density, algorithm, error_feedback, momentum, nesterov, momentum_masking)
   axes = _axes(algorithm, axis_name, node_axis, local_axis)
   select = topk_lib.get_selector(selector)
-  sparse = algorithm in comm.SPARSE_ALGORITHMS
-  if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
-    raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-  if momentum and not (sparse and error_feedback):
-    raise ValueError(f"momentum correction (momentum={momentum!r}) needs a sparse algorithm "
-                     f"(hitopk, allgather) with error feedback, got algorithm={algorithm!r}, "
-                     f"error_feedback={error_feedback!r}; otherwise use the optimizer's momentum")
-  if nesterov and not momentum:
-    raise ValueError("nesterov=True needs momentum > 0")
-  if not isinstance(momentum_masking, bool):
-    raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
-  if not sparse:  # everything is sent: density 1, whatever the schedule says
-    levels: tuple[float, ...] = (1.0,)
-  elif density_schedule is not None:
-    levels = density_levels(density)
-  else:
-    levels = (float(density),)
-
-  def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
-    # nodes: workers over all axes but the last; local: over the last (the buffer is padded to a
-    # multiple of it; for a hierarchical algorithm the two are the slow and the fast axis).
-    try:
-      sizes = [comm.axis_size(a) for a in axes]
-    except ValueError as e:
-      raise ValueError(f"topk_allreduce(algorithm={algorithm!r}) runs over the axes {axes}: "
-                       f"{e}") from e
-    nodes, local = math.prod(sizes[:-1]), sizes[-1]
-    layout = FlatLayout.from_tree(tree, pad_to=local)
-    shard = layout.padded_size // local if algorithm == "hitopk" else layout.padded_size
-    return layout, nodes, local, shard
-
-  def init_fn(params: Any) -> TopKAllReduceState:
-    _, _, _, shard = shapes(params)
-    residual = jnp.zeros(shard, jnp.float32) if (sparse and error_feedback) else None
-    if momentum:
-      residual = comm.Corrected(residual, jnp.zeros(shard, jnp.float32))
-    return TopKAllReduceState(residual, jnp.zeros([], jnp.int32),
-                              jnp.float32(levels[0]), jnp.zeros([], jnp.float32))
-
-  def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None):
-    del params
-    layout, nodes, local, shard = shapes(updates)
-    if error_feedback and sparse:
-      for r in jax.tree.leaves(state.residual):
-        if r.shape != (shard,):
-          raise ValueError(f"state residual has shape {r.shape}, expected ({shard},): "
-                           "was init run inside the same shard_map mesh?")
-    flat = layout.ravel(updates, jnp.float32)
-    residual = state.residual if (sparse and error_feedback) else None
-    n = layout.padded_size
-
-    def run(level: float):
-      def branch(flat, residual):
-        if not sparse:
-          if algorithm == "dense":
-            total = comm.dense_allreduce(flat, axes=axes)
-          else:
-            total = comm.hierarchical_allreduce(flat, node_axis=axes[0], local_axis=axes[1])
-          sent = comm.wire_bytes(algorithm, n=n, nodes=nodes, local=local)
-          return total, residual, jnp.float32(sent["inter"] + sent["intra"])
-        k = max(1, round(level * shard))
-        if algorithm == "hitopk":
-          total, new_res = comm.hitopk_allreduce(flat, k, node_axis=axes[0],
-                                                 local_axis=axes[1], residual=residual,
-                                                 select=select, momentum=momentum,
-                                                 nesterov=nesterov,
-                                                 momentum_masking=momentum_masking)
-        else:
-          total, new_res = comm.topk_allgather(flat, k, axes=axes, residual=residual,
-                                               select=select, momentum=momentum,
-                                               nesterov=nesterov,
-                                               momentum_masking=momentum_masking)
-        sent = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local)
-        return total, (new_res if residual is not None else None), \
-            jnp.float32(sent["inter"] + sent["intra"])
-      return branch
-
-    if len(levels) == 1:
-      level_index = jnp.int32(0)
-      total, new_res, sent = run(levels[0])(flat, residual)
-    else:
-      wanted = jnp.asarray(density_schedule(state.count), jnp.float32)
-      level_index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(
-          jnp.int32)
-      level_index = jnp.minimum(level_index, len(levels) - 1)
-      total, new_res, sent = lax.switch(level_index, [run(lv) for lv in levels], flat, residual)
-
-    if residual is None:
-      new_res = state.residual
-    out = layout.unravel(total / (nodes * local))
-    out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
-    new_state = TopKAllReduceState(
-        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[level_index], sent)
-    return out, new_state
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
+  if algorithm == "dense":
+    return dense_mean(axes)
+  if algorithm == "hierarchical":
+    return hierarchical_mean(*axes)
+  collective = (comm.sparse_hitopk(*axes) if algorithm == "hitopk"
+                else comm.sparse_allgather(axes))
+  levels = density_levels(density) if density_schedule is not None else (float(density),)
+  return _sparse(collective, select, levels, density_schedule, error_feedback, momentum,
+                 {"momentum": momentum, "nesterov": nesterov, "masking": momentum_masking})

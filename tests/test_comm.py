@@ -9,8 +9,15 @@ import pytest
 from conftest import make_mesh, run_workers
 
 from sparsejax import comm, topk
+from sparsejax.feedback import Feedback
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+
+
+def residual_array(result):
+  """(total, Feedback) -> (total, the residual array)."""
+  total, feedback = result
+  return total, feedback.residual
 
 
 def np_topk_pairs(acc, k):
@@ -37,8 +44,8 @@ def test_topk_allgather_equals_numpy(rng, nodes, local, dtype):
   x = rng.standard_normal((p, n)).astype(dtype)
   res = rng.standard_normal((p, n)).astype(np.float32)
   mesh = make_mesh(nodes, local)
-  total, new_res = run_workers(mesh, lambda v, r: comm.topk_allgather(
-      v, k, axes=("node", "local"), residual=r, select="exact"), x, res)
+  total, new_res = run_workers(mesh, lambda v, r: residual_array(comm.topk_allgather(
+      v, k, axes=("node", "local"), residual=Feedback(r), select="exact")), x, res)
   want = np.zeros(n, np.float32)
   for w in range(p):
     acc = x[w].astype(np.float32) + res[w]
@@ -58,8 +65,8 @@ def test_hitopk_equals_numpy(rng, nodes, local, dtype):
   x = rng.standard_normal((p, n)).astype(dtype)
   res = rng.standard_normal((p, shard)).astype(np.float32)
   mesh = make_mesh(nodes, local)
-  total, new_res = run_workers(mesh, lambda v, r: comm.hitopk_allreduce(
-      v, k, node_axis="node", local_axis="local", residual=r, select="exact"), x, res)
+  total, new_res = run_workers(mesh, lambda v, r: residual_array(comm.hitopk_allreduce(
+      v, k, node_axis="node", local_axis="local", residual=Feedback(r), select="exact")), x, res)
   xs = x.astype(np.float32).reshape(nodes, local, n)
   want = np.zeros(n, np.float32)
   for node in range(nodes):
@@ -103,7 +110,7 @@ def test_momentum_correction_equals_numpy(rng, algorithm, nesterov, masking):
   mesh = make_mesh(nodes, local)
 
   def body(*steps):
-    state = comm.Corrected(jnp.zeros(r), jnp.zeros(r))
+    state = Feedback(jnp.zeros(r), jnp.zeros(r))
     totals = []
     for x in steps:
       if algorithm == "hitopk":
@@ -118,7 +125,7 @@ def test_momentum_correction_equals_numpy(rng, algorithm, nesterov, masking):
     return totals, state
 
   totals, state = run_workers(mesh, body, *xs)
-  assert isinstance(state, comm.Corrected)
+  assert isinstance(state, Feedback) and state.velocity is not None
   res, vel = np.zeros((p, r)), np.zeros((p, r))
   for step, x in enumerate(xs):
     want = np.zeros(n)
@@ -147,12 +154,13 @@ def test_mstopk_inside_collectives_sends_what_it_keeps_back(rng, algorithm):
   x = rng.standard_normal((8, n)).astype(np.float32)
   mesh = make_mesh(nodes, local)
   if algorithm == "allgather":
-    total, res = run_workers(mesh, lambda v: comm.topk_allgather(
-        v, k, axes=("node", "local"), residual=jnp.zeros(n)), x)
+    total, res = run_workers(mesh, lambda v: residual_array(comm.topk_allgather(
+        v, k, axes=("node", "local"), residual=Feedback(jnp.zeros(n)))), x)
     kept = res.sum(0)
   else:
-    total, res = run_workers(mesh, lambda v: comm.hitopk_allreduce(
-        v, k, node_axis="node", local_axis="local", residual=jnp.zeros(n // local)), x)
+    total, res = run_workers(mesh, lambda v: residual_array(comm.hitopk_allreduce(
+        v, k, node_axis="node", local_axis="local", residual=Feedback(jnp.zeros(n // local)))),
+        x)
     kept = res.reshape(nodes, local * (n // local)).sum(0)
   np.testing.assert_allclose(total[0] + kept, x.sum(0), rtol=1e-5, atol=1e-5)
   sent_per_worker = np.count_nonzero(total[0])
@@ -269,12 +277,13 @@ def test_bad_input():
   with pytest.raises(ValueError, match="1-D"):
     run_workers(mesh, lambda v: comm.topk_allgather(v, 3, axes="node"), np.ones((8, 3, 4)))
   assert topk.check_k(x, 3) == (12, 3)
-  pair = comm.Corrected(jnp.zeros(1012), jnp.zeros(1012))
-  for kwargs, match in (({"momentum": 0.9}, "needs residual=Corrected"),
+  pair = Feedback(jnp.zeros(1012), jnp.zeros(1012))
+  for kwargs, match in (({"momentum": 0.9}, "needs residual=Feedback\\(residual, velocity\\)"),
                         ({"residual": pair}, "momentum is 0"),
+                        ({"residual": jnp.zeros(1012)}, "must be a sparsejax.feedback.Feedback"),
                         ({"residual": pair, "momentum": 1.0},
                          "momentum must be in \\[0, 1\\), got 1.0"),
-                        ({"residual": comm.Corrected(jnp.zeros(1012), jnp.zeros(5)),
+                        ({"residual": Feedback(jnp.zeros(1012), jnp.zeros(5)),
                           "momentum": 0.5}, "velocity must have shape \\(1012,\\)")):
     with pytest.raises(ValueError, match=match):
       run_workers(mesh, lambda v, kw=kwargs: comm.topk_allgather(v, 3, axes="node", **kw),

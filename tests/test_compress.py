@@ -7,8 +7,13 @@ import optax
 import pytest
 from conftest import make_mesh, run_workers
 
-from sparsejax import comm
-from sparsejax.compress import TopKAllReduceState, density_levels, topk_allreduce
+from sparsejax.compress import (
+  TopKAllReduceState,
+  dense_mean,
+  density_levels,
+  hierarchical_mean,
+  topk_allreduce,
+)
 from sparsejax.finite import apply_if_finite_across
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -62,7 +67,7 @@ def test_error_feedback_loses_nothing(rng, nodes, local, algorithm):
                                      for x in jax.tree.leaves(t)], axis=1)
   n = leaves(seq[0]).shape[1]
   sent = sum(leaves(o)[0] for o in outs) * p
-  residual = state.residual  # (p, r): per worker
+  residual = state.feedback.residual  # (p, r): per worker
   if algorithm == "hitopk":
     kept = residual.reshape(nodes, -1).sum(0)[:n]  # each node's workers hold its shards in order
   else:
@@ -83,8 +88,8 @@ def test_non_finite_gradient_skips_step(rng, algorithm, bad):
     assert np.all(leaf == 0)
   # The residual after the skipped step equals the residual after step one.
   _, state1 = run_steps(make_mesh(nodes, local), tx, [g1])
-  for a, b in zip(jax.tree.leaves(state.inner_state.residual),
-                  jax.tree.leaves(state1.inner_state.residual), strict=True):
+  for a, b in zip(jax.tree.leaves(state.inner_state.feedback),
+                  jax.tree.leaves(state1.inner_state.feedback), strict=True):
     np.testing.assert_array_equal(a, b)
   # skipped on every worker, counted once; the transform's own count did not move
   assert (~state.last_finite).all() and (state.total_notfinite == 1).all()
@@ -123,7 +128,7 @@ def test_state_is_a_named_tuple_and_jits(rng):
   tx = topk_allreduce(0.1)
   (out,), state = run_steps(make_mesh(2, 4), tx, [grads_like(rng, 8)])
   assert isinstance(state, TopKAllReduceState)
-  assert state.residual.dtype == np.float32
+  assert state.feedback.residual.dtype == np.float32 and state.feedback.velocity is None
   assert (state.bytes_sent > 0).all()
 
 
@@ -143,7 +148,7 @@ def test_momentum_correction_loses_nothing(rng, masking):
       ("node", "local"))
   outs, wrapped = run_steps(make_mesh(nodes, local), tx, seq + [bad])
   state = wrapped.inner_state
-  assert isinstance(state.residual, comm.Corrected)
+  assert state.feedback.velocity is not None  # momentum correction: a velocity beside it
   assert (~wrapped.last_finite).all()
   assert all((leaf == 0).all() for leaf in jax.tree.leaves(outs[-1]))
   leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
@@ -164,8 +169,8 @@ def test_momentum_correction_loses_nothing(rng, masking):
     total_u[o != 0] -= o[o != 0]  # what was sent leaves the residual ...
     if masking:
       velocity[o != 0] = 0  # ... and the velocity restarts (momentum factor masking)
-  np.testing.assert_allclose(merged(state.residual.velocity), velocity, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(merged(state.residual.residual), total_u, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(merged(state.feedback.velocity), velocity, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(merged(state.feedback.residual), total_u, rtol=1e-4, atol=1e-4)
   assert sent.any()
   assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
 
@@ -192,3 +197,19 @@ def test_bad_input():
   tx = topk_allreduce(0.1)
   with pytest.raises(ValueError, match="'node' is not bound"):
     tx.init({"w": jnp.ones(4)})
+
+
+def test_dense_baselines_are_transforms_of_their_own(rng):
+  """`dense_mean` and `hierarchical_mean` are what topk_allreduce(algorithm="dense" /
+  "hierarchical") returns: the exact mean, no feedback, density 1, their bytes counted."""
+  g = grads_like(rng, 8)
+  mesh = make_mesh(2, 4)
+  for named, algorithm in ((dense_mean(), "dense"), (hierarchical_mean(), "hierarchical")):
+    (got,), state = run_steps(mesh, named, [g])
+    (via,), via_state = run_steps(mesh, topk_allreduce(0.01, algorithm=algorithm), [g])
+    for name, leaf in g.items():
+      np.testing.assert_array_equal(got[name], via[name])
+      np.testing.assert_allclose(got[name][3], leaf.mean(0), rtol=1e-5, atol=1e-5)
+    assert state.feedback is None and (state.density == 1).all() and (state.count == 1).all()
+    np.testing.assert_array_equal(state.bytes_sent, via_state.bytes_sent)
+    assert (state.bytes_sent > 0).all()

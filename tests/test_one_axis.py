@@ -75,7 +75,7 @@ def test_error_feedback_conserves_every_value(rng, kind, algorithm):
     for step in range(2):
       u, state = tx.update(jax.tree.map(lambda x, step=step: x[step], g), state)
       sent.append(u)
-    return sent, state.residual
+    return sent, None if state.feedback is None else state.feedback.residual
 
   sent, residual = run_one_axis(kind, fn, grads)
   layout = FlatLayout.from_tree({k: np.zeros(s, np.float32) for k, s in SHAPES.items()},

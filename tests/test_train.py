@@ -109,7 +109,7 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   state = trainer.init(1, (8, 8, 1))
   # no zero-size array anywhere in the state (the dense algorithm has no residual): jax 0.11.2's
   # XLA:CPU compiler segfaults on a sharded zero-size array in the jitted shard_map step
-  assert state.comm_state.residual is None
+  assert state.comm_state.feedback is None
   assert all(x.size for x in jax.tree.leaves(state))
   train, _ = data_lib.digits()
   batches = [(train.images[i * 64:(i + 1) * 64], train.labels[i * 64:(i + 1) * 64])
@@ -255,7 +255,6 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   """compression.momentum_correction: the fused SGD runs without momentum, the compressor keeps
   a velocity beside the residual (Nesterov as configured), training runs, and the state survives
   a checkpoint round trip."""
-  from sparsejax.comm import Corrected
   from sparsejax.train.checkpoint import Checkpointer
   from sparsejax.train.loop import build_trainer
   config = validate(small_config(**{"compression.momentum_correction": True,
@@ -268,15 +267,15 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   state = trainer.init(0, (8, 8, 1))
   optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
   assert optimizer_state.momentum is None  # the optimizer has no momentum of its own
-  residual = state.comm_state.residual
-  assert isinstance(residual, Corrected) and residual.velocity.shape == residual.residual.shape
+  feedback = state.comm_state.feedback
+  assert feedback.velocity is not None and feedback.velocity.shape == feedback.residual.shape
   train, _ = data_lib.digits()
   step = trainer.train_step_fn(state)
   for i in range(3):
     state, metrics = step(state, *trainer.shard_batch(train.images[i * 128:(i + 1) * 128],
                                                       train.labels[i * 128:(i + 1) * 128]))
     assert np.isfinite(float(metrics["loss"]))
-  velocity = np.asarray(state.comm_state.residual.velocity)
+  velocity = np.asarray(state.comm_state.feedback.velocity)
   assert np.abs(velocity).sum() > 0  # accumulated ...
   shard = velocity.shape[1]  # ... and masked where sent: at least k zeros on every worker
   assert ((velocity == 0).sum(1) >= round(float(state.comm_state.density[0]) * shard)).all()
@@ -284,7 +283,7 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   ckpt.save(3, state)
   got = ckpt.restore(3, jax.tree.map(jnp.zeros_like, state))
   ckpt.close()
-  np.testing.assert_array_equal(np.asarray(got.comm_state.residual.velocity), velocity)
+  np.testing.assert_array_equal(np.asarray(got.comm_state.feedback.velocity), velocity)
 
 
 def test_momentum_correction_needs_sgd_with_momentum():

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
-from sparsejax.compress import TopKAllReduceState, topk_allreduce
+from sparsejax.compress import ExchangeState, topk_allreduce
 from sparsejax.data import images as image_ops
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
@@ -39,7 +39,7 @@ __all__ = ["TrainState", "Trainer", "build_optimizer", "NormState", "record_norm
 
 def _per_worker(x: Any) -> bool:
   """The parts of the state that differ per worker: the compressor's (its residual)."""
-  return isinstance(x, TopKAllReduceState)
+  return isinstance(x, ExchangeState)
 
 
 def _map_per_worker(fn: Callable, tree: Any) -> Any:
@@ -55,7 +55,7 @@ class TrainState(NamedTuple):
   params: float32[padded_size], the flat parameters (replicated).
   opt_state: the whole chain's state, an `optax.ApplyIfFiniteState` (its counters say how many
     steps in a row were skipped) around `(compressor state, norm, optimizer state)`: the
-    compressor's `TopKAllReduceState` per worker (leading axis = number of workers), the rest
+    compressor's `ExchangeState` per worker (leading axis = number of workers), the rest
     replicated.
   batch_stats: BatchNorm running statistics per worker, leading axis = number of workers.
   """
@@ -66,7 +66,7 @@ class TrainState(NamedTuple):
   batch_stats: Any
 
   @property
-  def comm_state(self) -> TopKAllReduceState:
+  def comm_state(self) -> ExchangeState:
     """The compressor's state (per worker)."""
     return self.opt_state.inner_state[0]
 
