@@ -23,7 +23,7 @@ from sparsejax import comm
 from sparsejax import topk as topk_lib
 from sparsejax.flat import FlatLayout
 
-__all__ = ["TopKAllReduceState", "topk_allreduce", "density_levels"]
+__all__ = ["TopKAllReduceState", "topk_allreduce", "density_levels", "level_index"]
 
 
 class TopKAllReduceState(NamedTuple):
@@ -63,9 +63,20 @@ def _check_density(name: str, value: float) -> None:
 
 
 def _all_finite(x: jax.Array) -> jax.Array:
-  """bool[]: every value of `x` is finite. One fused reduction: `x * 0` is NaN exactly where x is
-  inf or NaN (`all(isfinite(x))` made XLA:CPU write a bool mask of the whole buffer first)."""
-  return jnp.isfinite(jnp.sum(x * 0.0))
+  """bool[]: every value of `x` is finite. One reduction, max |x|, which is inf or NaN exactly
+  when some value is (`all(isfinite(x))` made XLA:CPU write a bool mask of the whole buffer
+  first, and `sum(x * 0)` a buffer of zeros)."""
+  return jnp.isfinite(jnp.max(jnp.abs(x)))
+
+
+def level_index(levels: tuple[float, ...], wanted):
+  """Index of the first of `levels` (increasing) at or above the density `wanted`, the last one
+  beyond them: jnp for a traced `wanted`, a Python int for a number."""
+  if isinstance(wanted, jax.Array):
+    index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(jnp.int32)
+    return jnp.minimum(index, len(levels) - 1)
+  wanted = float(wanted)
+  return min(sum(lv < wanted * (1 - 1e-6) for lv in levels), len(levels) - 1)
 
 
 def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
@@ -112,7 +123,11 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     error_feedback: keep what was not sent and add it next step.
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
-      shapes stay static; each level compiles once and one runs per step.
+      shapes stay static; each level compiles once and one runs per step (a `lax.switch`). A
+      caller that knows the step can pick the level itself and skip the switch (on CPU it cost
+      as much as the exchange: the branches' outputs are copied): `update(...,
+      density_level=level_index(density_levels(density), schedule(step)))` with a Python int,
+      one compiled step per level (what sparsejax's trainer does).
     momentum, nesterov: momentum correction (DGC, Lin et al. 2018; `comm.Corrected`): the
       momentum is accumulated per worker BEFORE top-k selection, so the returned mean already
       carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
@@ -122,8 +137,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       momentum SGD applies (better in sparsejax's convergence study, see the README).
 
   Returns:
-    An `optax.GradientTransformation`; `init` and `update` must run where the axes are bound
-    (inside `shard_map` or `pmap`).
+    An `optax.GradientTransformationExtraArgs` (its update takes the optional keyword
+    `density_level`); `init` and `update` must run where the axes are bound (inside `shard_map`
+    or `pmap`).
 
   Example:
     >>> tx = optax.chain(topk_allreduce(0.001), optax.sgd(0.1, momentum=0.9))
@@ -178,8 +194,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                               jnp.float32(levels[0]), jnp.zeros([], jnp.float32),
                               jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 
-  def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None):
-    del params
+  def update_fn(updates: Any, state: TopKAllReduceState, params: Any = None, *,
+                density_level: int | None = None, **extra_args: Any):
+    del params, extra_args
     layout, nodes, local, shard = shapes(updates)
     if error_feedback and sparse:
       for r in jax.tree.leaves(state.residual):
@@ -219,15 +236,19 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
             jnp.float32(sent["inter"] + sent["intra"])
       return branch
 
-    if len(levels) == 1:
-      level_index = jnp.int32(0)
+    if density_level is not None:  # chosen by the caller, who knows the step: no lax.switch
+      if (isinstance(density_level, bool) or not isinstance(density_level, int)
+          or not 0 <= density_level < len(levels)):
+        raise ValueError(f"density_level must be a Python int in [0, {len(levels)}) (an index "
+                         f"into the levels {levels}), got {density_level!r}")
+      index = jnp.int32(density_level)
+      total, new_res, sent = run(levels[density_level])(flat, residual)
+    elif len(levels) == 1:
+      index = jnp.int32(0)
       total, new_res, sent = run(levels[0])(flat, residual)
     else:
-      wanted = jnp.asarray(density_schedule(state.count), jnp.float32)
-      level_index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(
-          jnp.int32)
-      level_index = jnp.minimum(level_index, len(levels) - 1)
-      total, new_res, sent = lax.switch(level_index, [run(lv) for lv in levels], flat, residual)
+      index = level_index(levels, jnp.asarray(density_schedule(state.count), jnp.float32))
+      total, new_res, sent = lax.switch(index, [run(lv) for lv in levels], flat, residual)
 
     mean = jnp.where(finite, total / (nodes * local), 0.0)
     if residual is not None:
@@ -238,9 +259,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
     skipped = ~finite
     new_state = TopKAllReduceState(
-        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[level_index], sent, skipped,
+        new_res, state.count + 1, jnp.asarray(levels, jnp.float32)[index], sent, skipped,
         state.skipped_steps + skipped.astype(jnp.int32))
     return out, new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

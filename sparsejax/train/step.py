@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
-from sparsejax.compress import TopKAllReduceState, topk_allreduce
+from sparsejax.comm import SPARSE_ALGORITHMS
+from sparsejax.compress import TopKAllReduceState, density_levels, level_index, topk_allreduce
 from sparsejax.data import images as image_ops
 from sparsejax.flat import FlatLayout
 from sparsejax.train.mesh import WORKERS
@@ -223,9 +224,19 @@ class Trainer:
       out["top5_accuracy"] = jnp.sum(mask * jnp.any(top5 == labels[..., None], axis=-1)) / total
     return out
 
-  def train_step_fn(self, state_like: TrainState) -> Callable:
-    """`(state, images, labels) -> (state, metrics)`, jitted, the state donated."""
+  def density_level(self, step: int) -> int | None:
+    """The compressor's density level at `step` (an index into its levels), or None when the
+    density has no schedule or the exchange is dense (one level)."""
+    c = self.compression
+    if self.density_schedule is None or c.algorithm not in SPARSE_ALGORITHMS:
+      return None
+    return level_index(density_levels(c.density), float(self.density_schedule(step)))
+
+  def train_step_fn(self, state_like: TrainState, density_level: int | None = None) -> Callable:
+    """`(state, images, labels) -> (state, metrics)`, jitted, the state donated; at the given
+    density level (`density_level(step)`), else the compressor picks it in the step."""
     layout, optimizer, comm = self.layout, self.optimizer, self.comm
+    level = {} if density_level is None else {"density_level": density_level}
 
     def body(state: TrainState, images, labels):
       comm_state, batch_stats = _first(state.comm_state), _first(state.batch_stats)
@@ -238,7 +249,7 @@ class Trainer:
         grads = jax.tree.map(lambda g, p, m: g + self.weight_decay * p if m else g,
                              grads, params, decay_mask(params))
       flat_grads = layout.ravel(grads, jnp.float32)
-      mean_grads, comm_state = comm.update(flat_grads, comm_state)
+      mean_grads, comm_state = comm.update(flat_grads, comm_state, **level)
       skipped = comm_state.skipped
       # A skipped step (non-finite gradient somewhere): the fused optimizer returns zero updates
       # and its state as it was. Done inside the update, not by a select between old and new
