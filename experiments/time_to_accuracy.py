@@ -146,16 +146,21 @@ class JaxRun:
                                  self.total)
     self.state = self.trainer.init(config.seed, self.data.example(None))
     first = self.batch(0)
-    # compiled before the clock starts (PyTorch has nothing to compile)
-    self.step_fn = self.trainer.train_step_fn(self.state).lower(self.state, *first).compile()
+    # one step per density level the run passes through (the trainer's choice, as `sparsejax
+    # train`), compiled before the clock starts (PyTorch has nothing to compile)
+    self.levels = [self.trainer.density_level(s) for s in range(self.total)]
+    self.step_fns = {level: self.trainer.train_step_fn(self.state, level).lower(
+        self.state, *first).compile() for level in dict.fromkeys(self.levels)}
     self.eval_fn = self.trainer.eval_step_fn(self.state)
     self.jax = jax
 
   def batch(self, step: int):
     return self.trainer.shard_batch(*self.data.train_batch(step, None))
 
-  def step(self, step: int, wait: bool = False):
-    self.state, metrics = self.step_fn(self.state, *self.batch(step))
+  def step(self, step: int, wait: bool = False, level_step: int | None = None):
+    """One step on batch `step`, at the density level of step `level_step` (default `step`)."""
+    level = self.levels[min(step if level_step is None else level_step, self.total - 1)]
+    self.state, metrics = self.step_fns[level](self.state, *self.batch(step))
     if wait:
       self.jax.block_until_ready(self.state)
     return metrics
@@ -216,7 +221,8 @@ class TorchRun:
     lr = schedules.learning_rate(o, self.data.steps_per_epoch, self.total)
     self.lrs = [float(lr(s)) for s in range(self.total)]
 
-  def step(self, step: int, wait: bool = True) -> float:
+  def step(self, step: int, wait: bool = True, level_step: int | None = None) -> float:
+    del level_step  # dense: one level
     torch = self.torch
     images, labels = self.data.train_batch(step, None)
     share = len(labels) // self.world
@@ -352,7 +358,7 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
         if i == args.warmup:
           sent0 = _link_bytes()
         t0 = time.perf_counter()
-        run.step(at_step + i)
+        run.step(at_step + i, level_step=at_step)  # the level stays the one being timed
         run.wait()
         if i >= args.warmup:
           times.append(time.perf_counter() - t0)

@@ -51,11 +51,33 @@ def bind_gloo(hostname: str) -> None:
   from jax._src.lib import _jax
 
   def factory():
+    before = _thread_ids()
     collectives = _jax.make_gloo_tcp_collectives(
         distributed_client=distributed.global_state.client, hostname=hostname)
+    if len(os.sched_getaffinity(0)) == 1:
+      _yield_threads(_thread_ids() - before)
     return xb.make_cpu_client(collectives=collectives)
 
   xb.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+
+
+def _thread_ids() -> set[int]:
+  """Ids of this process's threads (Linux)."""
+  return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _yield_threads(tids: set[int]) -> None:
+  """Puts `tids` in SCHED_IDLE: they run only when nothing else of this process wants the core.
+
+  For gloo's TCP loop thread on a process pinned to one core: during a collective it polls
+  without sleeping, and the thread that executes the XLA program (woken when the peer's data has
+  arrived) then waits for the scheduler's next tick, about 4 ms, before it gets the core back:
+  every collective, however small, took 4 ms here instead of 0.35 ms."""
+  for tid in tids:
+    try:
+      os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # the thread has ended
+      pass
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

@@ -100,15 +100,26 @@ def hierarchical_allreduce(x: jax.Array, *, node_axis: str, local_axis: str) -> 
   m = axis_size(local_axis)
   axis_size(node_axis)
   _check_divisible(n, m, local_axis)
-  shard = lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+  shard = _reduce_scatter(x, local_axis, m)
   shard = lax.psum(shard, node_axis)
-  return lax.all_gather(shard, local_axis, axis=0, tiled=True)
+  return _all_gather(shard, local_axis, m)
+
+
+def _reduce_scatter(x: jax.Array, axis: str, size: int) -> jax.Array:
+  """This worker's shard of the sum of `x` over `axis`; over one worker `x` itself (XLA:CPU
+  copies the whole buffer for a collective over one device)."""
+  return x if size == 1 else lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+
+
+def _all_gather(x: jax.Array, axis: str | tuple[str, ...], size: int) -> jax.Array:
+  """The workers' `x` over `axis`, concatenated; over one worker `x` itself."""
+  return x if size == 1 else lax.all_gather(x, axis, axis=0, tiled=True)
 
 
 def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
-  all_v = lax.all_gather(values, axes, axis=0, tiled=True)
-  all_i = lax.all_gather(indices, axes, axis=0, tiled=True)
+  size = axis_size(axes)
+  all_v, all_i = _all_gather(values, axes, size), _all_gather(indices, axes, size)
 
   def xla(all_v, all_i):  # indices outside [0, n) dropped, negative ones too (as the kernel)
     return jnp.zeros(n, values.dtype).at[all_i].add(all_v, mode="drop",
@@ -163,11 +174,11 @@ def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
     m = axis_size(local_axis)
     axis_size(node_axis)
     _check_divisible(n, m, local_axis)
-    return lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+    return _reduce_scatter(x, local_axis, m)
 
   def gather(values: jax.Array, indices: jax.Array, length: int) -> jax.Array:
     shard_total = _gather_sum(values, indices, length, node_axis)
-    return lax.all_gather(shard_total, local_axis, axis=0, tiled=True)
+    return _all_gather(shard_total, local_axis, axis_size(local_axis))
 
   return SparseCollective("hitopk", (node_axis, local_axis), scatter, gather)
 

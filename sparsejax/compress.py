@@ -31,7 +31,7 @@ from sparsejax.feedback import Feedback, feedback_select, init_feedback
 from sparsejax.flat import FlatLayout
 
 __all__ = ["ExchangeState", "TopKAllReduceState", "topk_allreduce", "dense_mean",
-           "hierarchical_mean", "density_levels"]
+           "hierarchical_mean", "density_levels", "level_index"]
 
 
 class ExchangeState(NamedTuple):
@@ -64,13 +64,29 @@ def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
   return tuple(levels) + (1.0,)
 
 
-def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Array) -> jax.Array:
-  """int32[]: the index of the level the schedule's density at `count` is rounded up to."""
+def level_index(levels: tuple[float, ...], wanted):
+  """Index of the first of `levels` (increasing) at or above the density `wanted`, the last one
+  beyond them: an int32[] for a traced `wanted`, a Python int for a number."""
+  if isinstance(wanted, jax.Array):
+    index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(jnp.int32)
+    return jnp.minimum(index, len(levels) - 1)
+  wanted = float(wanted)
+  return min(sum(lv < wanted * (1 - 1e-6) for lv in levels), len(levels) - 1)
+
+
+def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Array,
+           density_level: int | None) -> jax.Array | int:
+  """The level to run: the caller's `density_level` (a Python int: no switch), else the one the
+  schedule's density at `count` is rounded up to (int32[])."""
+  if density_level is not None:
+    if (isinstance(density_level, bool) or not isinstance(density_level, int)
+        or not 0 <= density_level < len(levels)):
+      raise ValueError(f"density_level must be a Python int in [0, {len(levels)}) (an index "
+                       f"into the levels {levels}), got {density_level!r}")
+    return density_level
   if len(levels) == 1:
-    return jnp.int32(0)
-  wanted = jnp.asarray(schedule(count), jnp.float32)
-  index = jnp.sum(jnp.asarray(levels, jnp.float32) < wanted * (1 - 1e-6)).astype(jnp.int32)
-  return jnp.minimum(index, len(levels) - 1)
+    return 0
+  return level_index(levels, jnp.asarray(schedule(count), jnp.float32))
 
 
 def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: Any,
@@ -135,8 +151,8 @@ def _dense(algorithm: str, axes: tuple[str, ...],
     return ExchangeState(None, jnp.zeros([], jnp.int32), jnp.float32(1.0),
                          jnp.zeros([], jnp.float32))
 
-  def update_fn(updates: Any, state: ExchangeState, params: Any = None):
-    del params
+  def update_fn(updates: Any, state: ExchangeState, params: Any = None, **extra_args: Any):
+    del params, extra_args
     nodes, local = _workers(algorithm, axes)
     layout = FlatLayout.from_tree(updates, pad_to=local)
     total = reduce(layout.ravel(updates, jnp.float32))
@@ -144,7 +160,7 @@ def _dense(algorithm: str, axes: tuple[str, ...],
     return _mean_out(total, nodes * local, layout, updates), ExchangeState(
         None, state.count + 1, jnp.float32(1.0), jnp.float32(sent["inter"] + sent["intra"]))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def dense_mean(axis_name: str | tuple[str, ...] = ("node", "local")
@@ -181,8 +197,9 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
     return ExchangeState(feedback, jnp.zeros([], jnp.int32), jnp.float32(levels[0]),
                          jnp.zeros([], jnp.float32))
 
-  def update_fn(updates: Any, state: ExchangeState, params: Any = None):
-    del params
+  def update_fn(updates: Any, state: ExchangeState, params: Any = None, *,
+                density_level: int | None = None, **extra_args: Any):
+    del params, extra_args
     layout, nodes, local, part_len = shapes(updates)
     for r in jax.tree.leaves(state.feedback):
       if r.shape != (part_len,):
@@ -198,9 +215,9 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
         return collective.gather(values, indices, part_len), kept if error_feedback else None
       return run
 
-    index = _level(levels, density_schedule, state.count)
+    index = _level(levels, density_schedule, state.count, density_level)
     runs = [at(level) for level in levels]
-    total, feedback = (runs[0](part, state.feedback) if len(levels) == 1
+    total, feedback = (runs[index](part, state.feedback) if isinstance(index, int)
                        else lax.switch(index, runs, part, state.feedback))
     sent = [comm.wire_bytes(collective.name, n=layout.padded_size, k=max(1, round(lv * part_len)),
                             nodes=nodes, local=local) for lv in levels]
@@ -208,7 +225,7 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
         feedback, state.count + 1, jnp.asarray(levels, jnp.float32)[index],
         jnp.asarray([s["inter"] + s["intra"] for s in sent], jnp.float32)[index])
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",
@@ -237,7 +254,11 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     error_feedback: keep what was not sent and add it next step (`sparsejax.feedback`).
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
-      shapes stay static; each level compiles once and one runs per step.
+      shapes stay static; each level compiles once and one runs per step (a `lax.switch`). A
+      caller that knows the step can pick the level itself and skip the switch (on CPU it cost
+      as much as the exchange: the branches' outputs are copied): `update(...,
+      density_level=level_index(density_levels(density), schedule(step)))` with a Python int,
+      one compiled step per level (what sparsejax's trainer does).
     momentum, nesterov: momentum correction (DGC, Lin et al. 2018; a `Feedback` with a
       velocity): the momentum is accumulated per worker BEFORE top-k selection, so the returned
       mean already carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
@@ -247,8 +268,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       momentum SGD applies (better in sparsejax's convergence study, see the README).
 
   Returns:
-    An `optax.GradientTransformation` with an `ExchangeState`; `init` and `update` must run where
-    the axes are bound (inside `shard_map` or `pmap`).
+    An `optax.GradientTransformationExtraArgs` with an `ExchangeState` (its update takes the
+    optional keyword `density_level`); `init` and `update` must run where the axes are bound
+    (inside `shard_map` or `pmap`).
 
   Example:
     >>> tx = optax.chain(topk_allreduce(0.001), optax.sgd(0.1, momentum=0.9))

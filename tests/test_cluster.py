@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -138,6 +139,47 @@ def test_launch_in_an_emulated_cluster_all_reduces_across_nodes():
   assert rc == 0, text[-3000:]
   for rank in range(4):  # every process saw all 8 devices of the 4 processes: 2*(1+2+3+4)
     assert f"[{rank}] all-reduce over 8 devices of 4 processes: 20 (expected 20)" in text
+  assert _sparsejax_namespaces() == []
+
+
+GLOO_IDLE_WORKER = """
+import os, sys
+rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
+if rank == 0:  # pinned to one core; rank 1 keeps every core it was given
+  os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+from sparsejax import cluster
+cluster.initialize()
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((jax.device_count(),), ("all",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("all")),
+                                           jnp.full(jax.local_device_count(), rank + 1.0))
+total = float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x))
+idle = sum(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in os.listdir("/proc/self/task"))
+print(f"rank {rank} cores {len(os.sched_getaffinity(0))} sum {total:g} idle threads {idle}")
+"""
+
+
+def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
+  """On a process pinned to one core, gloo's TCP loop thread (it polls through a collective and
+  held the core for a scheduler tick, ~4 ms, per collective) runs in SCHED_IDLE; a process with
+  more than one core is left as it is. The all-reduce still adds up."""
+  _need_root()
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("needs 2 cores: one process pinned, one not")
+  script = tmp_path / "worker.py"
+  script.write_text(GLOO_IDLE_WORKER)
+  out = io.StringIO()
+  rc = cluster.launch(["--unused"], nodes=2, procs_per_node=1, devices_per_proc=1,
+                      bandwidth="10gbit", init_timeout_s=60, out=out,
+                      program=[sys.executable, str(script)])
+  text = out.getvalue()
+  assert rc == 0, text[-3000:]
+  pinned = re.search(r"rank 0 cores 1 sum 3 idle threads (\d+)", text)
+  free = re.search(r"rank 1 cores \d+ sum 3 idle threads (\d+)", text)
+  assert pinned and free, text[-3000:]
+  assert int(pinned.group(1)) >= 1
+  assert int(free.group(1)) == 0
   assert _sparsejax_namespaces() == []
 
 

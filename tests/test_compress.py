@@ -12,6 +12,7 @@ from sparsejax.compress import (
   dense_mean,
   density_levels,
   hierarchical_mean,
+  level_index,
   topk_allreduce,
 )
 from sparsejax.finite import apply_if_finite_across
@@ -109,6 +110,36 @@ def test_density_schedule_switches_levels(rng):
   n = sum(np.size(x[0]) for x in g[0].values())
   nz = sum(np.count_nonzero(x[0]) for x in outs[1].values())
   assert 0 < nz <= 8 * max(1, round(0.01 * n))
+
+
+def test_density_level_chosen_by_the_caller_matches_the_switch(rng):
+  """`update(..., density_level=i)` (a Python int: no lax.switch) gives bit for bit what the
+  in-step switch gives at the step where the schedule asks for level i; `level_index` agrees on
+  the host and in the step."""
+  def sched(count):  # densities 0.3, 0.05, then 0.01
+    return jnp.asarray([0.3, 0.05, 0.01], jnp.float32)[jnp.minimum(count, 2)]
+
+  levels = density_levels(0.01)
+  host = [level_index(levels, float(sched(s))) for s in range(3)]
+  assert host == [3, 2, 0]  # 0.3 -> 0.64, 0.05 -> 0.16, 0.01 -> 0.01
+  assert [int(level_index(levels, jnp.float32(sched(s)))) for s in range(3)] == host
+  tx = topk_allreduce(0.01, algorithm="hitopk", density_schedule=sched)
+  g = [grads_like(rng, 8) for _ in range(3)]
+
+  def body_fixed(*gs):
+    state = tx.init(gs[0])
+    outs = []
+    for step, grad in enumerate(gs):
+      out, state = tx.update(grad, state, density_level=host[step])
+      outs.append(out)
+    return outs, state
+
+  switched, s1 = run_steps(make_mesh(2, 4), tx, g)
+  fixed, s2 = run_workers(make_mesh(2, 4), body_fixed, *g)
+  for a, b in zip(jax.tree.leaves((switched, s1)), jax.tree.leaves((fixed, s2)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="density_level must be a Python int in \\[0, 5\\)"):
+    run_workers(make_mesh(2, 4), lambda x: tx.update(x, tx.init(x), density_level=5), g[0])
 
 
 @pytest.mark.parametrize("algorithm", ["dense", "hierarchical"])

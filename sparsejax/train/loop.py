@@ -120,7 +120,14 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   start = ckpt.latest_step() or 0
   if start:
     state = trainer.place(ckpt.restore(start, state))
-  train_step = trainer.train_step_fn(state)
+  train_steps: dict[int | None, Any] = {}  # one compiled step per density level
+
+  def train_step(step, state, *batch):
+    level = trainer.density_level(step)
+    if level not in train_steps:
+      train_steps[level] = trainer.train_step_fn(state, level)
+    return train_steps[level](state, *batch)
+
   eval_step = trainer.eval_step_fn(state)
   sync = trainer.sync_batch_stats_fn()
   lead = jax.process_index() == 0  # the process that writes metrics and the summary
@@ -167,7 +174,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
       # progressive resizing: the size comes from the schedule, each size compiles once
       size = schedules.image_size(config.data.resize_schedule, step / steps_per_epoch)
       images, labels = data.train_batch(step, size)
-      state, metrics = train_step(state, *trainer.shard_batch(images, labels))
+      state, metrics = train_step(step, state, *trainer.shard_batch(images, labels))
       pending.append(metrics)
       done = step + 1
       if done % config.log_every_steps == 0 or done == total_steps:

@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
-from sparsejax.compress import ExchangeState, topk_allreduce
+from sparsejax.comm import SPARSE_ALGORITHMS
+from sparsejax.compress import ExchangeState, density_levels, level_index, topk_allreduce
 from sparsejax.data import images as image_ops
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
@@ -273,9 +274,19 @@ class Trainer:
       out["top5_accuracy"] = jnp.sum(mask * jnp.any(top5 == labels[..., None], axis=-1)) / total
     return out
 
-  def train_step_fn(self, state_like: TrainState) -> Callable:
-    """`(state, images, labels) -> (state, metrics)`, jitted, the state donated."""
+  def density_level(self, step: int) -> int | None:
+    """The compressor's density level at `step` (an index into its levels), or None when the
+    density has no schedule or the exchange is dense (one level)."""
+    c = self.compression
+    if self.density_schedule is None or c.algorithm not in SPARSE_ALGORITHMS:
+      return None
+    return level_index(density_levels(c.density), float(self.density_schedule(step)))
+
+  def train_step_fn(self, state_like: TrainState, density_level: int | None = None) -> Callable:
+    """`(state, images, labels) -> (state, metrics)`, jitted, the state donated; at the given
+    density level (`density_level(step)`), else the compressor picks it in the step."""
     layout, tx = self.layout, self.tx
+    level = {} if density_level is None else {"density_level": density_level}
 
     def body(state: TrainState, images, labels):
       opt_state = _map_per_worker(lambda x: x[0], state.opt_state)
@@ -291,7 +302,7 @@ class Trainer:
       flat_grads = layout.ravel(grads, jnp.float32)
       # A non-finite gradient on any worker: zero updates and the whole chain's state as it was
       # (apply_if_finite_across), on every worker.
-      updates, opt_state = tx.update(flat_grads, opt_state, state.params)
+      updates, opt_state = tx.update(flat_grads, opt_state, state.params, **level)
       skipped = ~opt_state.last_finite
 
       def keep(old, new):
