@@ -75,6 +75,15 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "compression.density": 0.001}),
     "hitopk-0.01": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01}),
     "hitopk-0.001": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001}),
+    # with DGC's momentum correction (the velocity accumulated before selection; without
+    # masking, sent plus kept is exactly momentum SGD's update): the optimizer runs without
+    # momentum of its own
+    "hitopk-0.01-mc": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01,
+                               "compression.momentum_correction": True,
+                               "compression.momentum_masking": False}),
+    "hitopk-0.001-mc": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001,
+                                "compression.momentum_correction": True,
+                                "compression.momentum_masking": False}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }

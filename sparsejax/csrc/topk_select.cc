@@ -469,6 +469,7 @@ ffi::Error TopKFeedbackImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* g = x.typed_data();
   const float* res = r.typed_data();  // may be the same memory as acc (aliased)
   float* acc = new_r->typed_data();
+  if (acc != res) HugePages(acc, n * sizeof(float));  // a fresh buffer: first touch below
   auto first = KeyBlocks([=](int64_t i) {  // writes acc: runs once on every element
     const float a = g[i] + res[i];
     acc[i] = a;
