@@ -134,9 +134,11 @@ def _link_overhead(results: list[dict[str, Any]]) -> float:
 
 
 def _parse_algorithm(name: str) -> tuple[str, float]:
-  if "-" in name:
-    base, d = name.rsplit("-", 1)
-    return base, float(d)
+  """("hitopk", 0.01) from "hitopk-0.01" or "hitopk-0.01-mc" (a recipe suffix: the same
+  exchange); ("dense", 1.0) from "dense"."""
+  parts = name.split("-")
+  if len(parts) >= 2:
+    return parts[0], float(parts[1])
   return name, 1.0
 
 
