@@ -12,19 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from sparsejax import comm, models
 from sparsejax import data as data_lib
+from sparsejax import models
 from sparsejax.train import checkpoint, schedules
 from sparsejax.train import config as config_lib
 from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import make_mesh
 from sparsejax.train.metrics import MetricsWriter, NullWriter
+from sparsejax.train.state import TrainSetup, from_config, place, shard_batch
 
-__all__ = ["train_and_evaluate", "build_trainer", "evaluate", "check_workdir",
+__all__ = ["train_and_evaluate", "evaluate", "check_workdir",
            "TooManySkippedSteps"]
 
 
@@ -44,48 +44,13 @@ def check_workdir(workdir: str) -> str:
   return workdir
 
 
-def build_trainer(config: Any, mesh, num_classes: int, steps_per_epoch: int, total_steps: int
-                  ) -> step_lib.Trainer:
-  """The `Trainer` a validated config describes: model, compression, fused optimizer, schedules."""
-  m = config.model
-  if m.name in models.SEQUENCE_MODELS:
-    extra = {k: m[k] for k in ("d_model", "num_heads", "d_ff", "num_layers") if m[k]}
-    if m.dropout >= 0:
-      extra["dropout"] = m.dropout
-    # positions: a language model sees seq_len tokens, a translation model seq_len per side
-    extra["max_len"] = (config.data.seq_len if m.name == "transformer_lm"
-                        else max(256, config.data.seq_len))
-  elif m.name == "mlp":
-    extra = {"hidden": tuple(m.hidden)} if m.hidden else {}
-  else:
-    extra = {"num_filters": m.num_filters} if m.num_filters else {}
-  model = models.build(config.model.name, num_classes=num_classes, dtype=config.model.dtype,
-                       **extra)
-  lr = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
-  opt, corrected = config.optimizer, {}
-  if (config.compression.momentum_correction
-      and config.compression.algorithm in comm.SPARSE_ALGORITHMS):
-    # DGC momentum correction: the momentum moves from the optimizer into the compressor, and
-    # the weight decay into the gradient before it (so it passes through the momentum too)
-    corrected = {"momentum": opt.momentum, "nesterov": opt.nesterov,
-                 "momentum_masking": config.compression.momentum_masking,
-                 "weight_decay": opt.weight_decay}
-    opt = ml_collections.ConfigDict(opt.to_dict())
-    opt.momentum, opt.nesterov, opt.weight_decay = 0.0, False, 0.0
-  return step_lib.Trainer(
-      model, mesh, config.compression,
-      lambda layout: step_lib.build_optimizer(opt, lr, layout), **corrected,
-      num_classes=num_classes, label_smoothing=config.label_smoothing,
-      density_schedule=schedules.density(config.compression, steps_per_epoch), learning_rate=lr,
-      seed=config.seed)
-
-
-def evaluate(trainer: step_lib.Trainer, eval_step, state, data: data_lib.Inputs,
+def evaluate(setup: TrainSetup, eval_step, state, data: data_lib.Inputs,
              size: int | None) -> dict[str, float]:
-  """The eval metrics of `state` over the whole eval set (padding weighted out)."""
+  """The eval metrics of `state` over the whole eval set (padding weighted out); `eval_step`
+  from `step.jit_eval_step`."""
   totals: dict[str, float] = {}
   for images, labels, weights in data.eval_batches(size):
-    sums = jax.device_get(eval_step(state, *trainer.shard_batch(images, labels, weights)))
+    sums = jax.device_get(eval_step(state, *shard_batch(setup.mesh, images, labels, weights)))
     for k, v in sums.items():
       totals[k] = totals.get(k, 0.0) + float(v)
   count = totals.pop("count")
@@ -139,7 +104,7 @@ class _Job:
   """The pieces of a run that the loop uses and that do not change while it runs."""
 
   config: Any
-  trainer: step_lib.Trainer
+  setup: TrainSetup
   data: data_lib.Inputs
   train_step: Callable  # (step, state, *batch) -> (state, metrics)
   eval_step: Callable
@@ -157,7 +122,7 @@ class _Job:
     # the size of the stage that just trained (at a stage's end, not the next stage's)
     size = schedules.image_size(self.config.data.resize_schedule,
                                 max(0, step - 1) / self.steps_per_epoch)
-    metrics = evaluate(self.trainer, self.eval_step, state, self.data, size)
+    metrics = evaluate(self.setup, self.eval_step, state, self.data, size)
     self.writer.write("eval", step, metrics)
     self.tally.add_eval(self.config, step, metrics)
     return state
@@ -206,7 +171,7 @@ def _train(job: _Job, state: Any, start: int, show: bool) -> tuple[Any, int, boo
       # progressive resizing: the size comes from the schedule, each size compiles once
       size = schedules.image_size(config.data.resize_schedule, step / job.steps_per_epoch)
       images, labels = job.data.train_batch(step, size)
-      state, metrics = job.train_step(step, state, *job.trainer.shard_batch(images, labels))
+      state, metrics = job.train_step(step, state, *shard_batch(job.setup.mesh, images, labels))
       pending.append(metrics)
       done = step + 1
       if done % config.log_every_steps == 0 or done == total_steps:
@@ -264,15 +229,15 @@ def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
   return {round(start * steps_per_epoch) for start, _, _ in stages[1:]}
 
 
-def _per_level(trainer: step_lib.Trainer) -> Callable:
+def _per_level(setup: TrainSetup) -> Callable:
   """`(step, state, *batch) -> (state, metrics)`: the step compiled once per density level, the
   level chosen on the host from the step."""
   train_steps: dict[int | None, Any] = {}
 
   def train_step(step, state, *batch):
-    level = trainer.density_level(step)
+    level = setup.density_level(step)
     if level not in train_steps:
-      train_steps[level] = trainer.train_step_fn(state, level)
+      train_steps[level] = step_lib.jit_train_step(setup, state, level)
     return train_steps[level](state, *batch)
   return train_step
 
@@ -292,18 +257,18 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
 
   # --- model, transforms, state
-  trainer = build_trainer(config, mesh, data.num_classes, steps_per_epoch, total_steps)
-  state = trainer.init(config.seed, data.example(
-      schedules.image_size(config.data.resize_schedule, 0.0)))
+  example = data.example(schedules.image_size(config.data.resize_schedule, 0.0))
+  setup, state = from_config(config, mesh, data.num_classes, example,
+                             steps_per_epoch=steps_per_epoch, total_steps=total_steps)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   start = ckpt.latest_step() or 0
   if start:
-    state = trainer.place(ckpt.restore(start, state))
+    state = place(ckpt.restore(start, state), mesh)
   lead = jax.process_index() == 0  # the process that writes metrics and the summary
   writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
   summary_path = os.path.join(workdir, "summary.json")
-  job = _Job(config, trainer, data, _per_level(trainer), trainer.eval_step_fn(state),
-             trainer.sync_batch_stats_fn(), ckpt, writer, _Tally.resume(summary_path, start),
+  job = _Job(config, setup, data, _per_level(setup), step_lib.jit_eval_step(setup, state),
+             step_lib.jit_sync_batch_stats(mesh), ckpt, writer, _Tally.resume(summary_path, start),
              steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch))
 
   # --- the loop
