@@ -7,7 +7,7 @@
 On one device (the first of the default backend), for one model, times a full training step:
 
   optax         the step a user would write: forward/backward, optax.lars per tensor, apply;
-  dense         sparsejax's `Trainer` step (shard_map on a 1x1 mesh, flat gradient, fused LARS),
+  dense         sparsejax's train step (shard_map on a 1x1 mesh, flat gradient, fused LARS),
                 compression off (the "dense" algorithm);
   hitopk-0.001  the same step with HiTopKComm at density 0.001: MSTopK selection and error feedback
                 run on the whole 25M-value gradient every step (on one device nothing is sent, so
@@ -38,7 +38,9 @@ if not __package__:  # run as `python experiments/bench_step.py`: import from th
 from experiments.results_io import write_results  # noqa: E402
 from sparsejax import models
 from sparsejax.train import config as config_lib
-from sparsejax.train import loop, make_mesh
+from sparsejax.train import make_mesh
+from sparsejax.train.state import from_config, shard_batch
+from sparsejax.train.step import jit_train_step
 
 
 def config_for(args, algorithm: str, density: float):
@@ -135,11 +137,10 @@ def run_variant(args, variant: str, images: np.ndarray, labels: np.ndarray, num_
         "hitopk", float(variant.split("-")[1]))
     config = config_for(args, algorithm, density)
     mesh = make_mesh(1, 1, jax.devices()[:1])
-    trainer = loop.build_trainer(config, mesh, num_classes, steps_per_epoch=1000,
-                                 total_steps=100_000)
-    state = trainer.init(0, (args.size, args.size, 3))
-    step = trainer.train_step_fn(state)
-    batch = trainer.shard_batch(images, labels)
+    setup, state = from_config(config, mesh, num_classes, (args.size, args.size, 3),
+                               steps_per_epoch=1000, total_steps=100_000)
+    step = jit_train_step(setup, state)
+    batch = shard_batch(mesh, images, labels)
   compile_s = time.perf_counter() - t0
   times, metrics = time_steps(step, state, batch, args.warmup, args.steps)
   del state

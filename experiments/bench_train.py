@@ -13,7 +13,7 @@ on scikit-learn's digits, `--batch-per-worker` images per worker per step, SGD w
 momentum. Each system runs its real training step on real batches:
 
   sparsejax     one process per node with 2 CPU devices (`sparsejax launch` layout), the trainer
-                of `sparsejax train` (`build_trainer`: shard_map step, flat gradient, fused SGD),
+                of `sparsejax train` (`from_config`: shard_map step, flat gradient, fused SGD),
                 compression "dense" (one all-reduce) or "hitopk" at density 0.001 (MSTopK, error
                 feedback; no density warm-up), the batch for each step fetched and sharded by
                 the same `Inputs` the loop uses;
@@ -86,18 +86,18 @@ def jax_worker(args) -> None:
 
   from sparsejax import data as data_lib
   from sparsejax.train import config as config_lib
-  from sparsejax.train.loop import build_trainer
   from sparsejax.train.mesh import make_mesh
+  from sparsejax.train.state import from_config, shard_batch
+  from sparsejax.train.step import jit_train_step
 
   config = config_lib.validate(bench_config(args.algorithm, args.width, args.batch_per_worker))
   mesh = make_mesh(config.mesh.nodes, config.mesh.local)
   data = data_lib.open_inputs(config)
   total = args.warmup + args.steps
-  trainer = build_trainer(config, mesh, data.num_classes, data.steps_per_epoch, total)
-  state = trainer.init(config.seed, data.example(None))
-  train_step = trainer.train_step_fn(state)
-  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.model.init(
-      jax.random.key(0), data.example(None)[:1], train=False)["params"]))
+  setup, state = from_config(config, mesh, data.num_classes, data.example(None),
+                             steps_per_epoch=data.steps_per_epoch, total_steps=total)
+  train_step = jit_train_step(setup, state)
+  params = setup.layout.size
   measure_link = int(os.environ["SPARSEJAX_LOCAL_RANK"]) == 0
   times, sent, losses = [], 0, []
   for step in range(total):
@@ -105,7 +105,7 @@ def jax_worker(args) -> None:
       before = _tc_sent_bytes() if measure_link else 0
     t0 = time.perf_counter()
     images, labels = data.train_batch(step, None)
-    state, metrics = train_step(state, *trainer.shard_batch(images, labels))
+    state, metrics = train_step(state, *shard_batch(mesh, images, labels))
     losses.append(float(jax.device_get(metrics["loss"])))  # waits for the step
     if step >= args.warmup:
       times.append(time.perf_counter() - t0)

@@ -145,26 +145,29 @@ class JaxRun:
     import jax
 
     from sparsejax import data as data_lib
-    from sparsejax.train.loop import build_trainer
     from sparsejax.train.mesh import make_mesh
+    from sparsejax.train.state import from_config
+    from sparsejax.train.step import jit_eval_step, jit_train_step
     self.config = config
     self.data = data_lib.open_inputs(config)
     self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
     mesh = make_mesh(*mesh_shape)
-    self.trainer = build_trainer(config, mesh, self.data.num_classes, self.data.steps_per_epoch,
-                                 self.total)
-    self.state = self.trainer.init(config.seed, self.data.example(None))
+    self.setup, self.state = from_config(config, mesh, self.data.num_classes,
+                                         self.data.example(None),
+                                         steps_per_epoch=self.data.steps_per_epoch,
+                                         total_steps=self.total)
     first = self.batch(0)
     # one step per density level the run passes through (the trainer's choice, as `sparsejax
     # train`), compiled before the clock starts (PyTorch has nothing to compile)
-    self.levels = [self.trainer.density_level(s) for s in range(self.total)]
-    self.step_fns = {level: self.trainer.train_step_fn(self.state, level).lower(
+    self.levels = [self.setup.density_level(s) for s in range(self.total)]
+    self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
         self.state, *first).compile() for level in dict.fromkeys(self.levels)}
-    self.eval_fn = self.trainer.eval_step_fn(self.state)
+    self.eval_fn = jit_eval_step(self.setup, self.state)
     self.jax = jax
 
   def batch(self, step: int):
-    return self.trainer.shard_batch(*self.data.train_batch(step, None))
+    from sparsejax.train.state import shard_batch
+    return shard_batch(self.setup.mesh, *self.data.train_batch(step, None))
 
   def step(self, step: int, wait: bool = False, level_step: int | None = None):
     """One step on batch `step`, at the density level of step `level_step` (default `step`)."""
@@ -179,7 +182,7 @@ class JaxRun:
 
   def evaluate(self) -> dict[str, float]:
     from sparsejax.train.loop import evaluate
-    return evaluate(self.trainer, self.eval_fn, self.state, self.data, None)
+    return evaluate(self.setup, self.eval_fn, self.state, self.data, None)
 
   def set_step(self, step: int) -> None:
     """Moves the step counters: the train state's (learning rate) and every worker's

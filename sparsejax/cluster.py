@@ -372,6 +372,57 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
+def _check_launch(argv: Sequence[str], nodes: int, procs_per_node: int, devices_per_proc: int
+                  ) -> None:
+  """Raises ValueError for launch arguments that cannot work."""
+  for name, value in (("nodes", nodes), ("procs-per-node", procs_per_node),
+                      ("devices-per-proc", devices_per_proc)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+  if not argv:
+    raise ValueError("nothing to launch: give the command after --, e.g. -- train CONFIG")
+
+
+def _process_env(rank: int, world: int, procs_per_node: int, devices_per_proc: int,
+                 coordinator: str, init_timeout_s: int, cluster: EmulatedCluster | None,
+                 extra_env: dict[str, str] | None) -> dict[str, str]:
+  """The environment of process `rank`: where the coordinator is, who it is, its devices."""
+  node = rank // procs_per_node
+  # each process gets --devices-per-proc devices, whatever XLA_FLAGS said here
+  xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if "xla_force_host_platform_device_count" not in f)
+  env = dict(os.environ, XLA_FLAGS=xla_flags, **{
+      ENV["coordinator"]: coordinator, ENV["num_processes"]: str(world),
+      ENV["process_id"]: str(rank), ENV["devices"]: str(devices_per_proc),
+      ENV["timeout"]: str(init_timeout_s), ENV["node"]: str(node),
+      ENV["local_rank"]: str(rank % procs_per_node), "PYTHONUNBUFFERED": "1",
+      **(extra_env or {})})
+  if cluster is not None:
+    env[ENV["host"]] = cluster.address(node)
+  return env
+
+
+def _supervise(procs: Sequence[_Proc], procs_per_node: int, grace_s: float, out) -> int:
+  """Pumps the processes' output until all have exited; on the first failure stops the others.
+  Returns 0, or the failed process's exit code (1 if it had none)."""
+  failed = None
+  for _ in _pump(procs, out):
+    for p in procs:
+      if failed is None and p.popen.poll() not in (None, 0):
+        failed = p
+        out.write(f"sparsejax launch: rank {p.rank} (node {p.rank // procs_per_node}) "
+                  f"exited with code {p.popen.returncode}; stopping the other processes\n")
+        out.flush()
+        _stop(procs, grace_s)
+  for p in procs:
+    p.popen.wait()
+  if failed is not None:
+    out.write(f"sparsejax launch: failed: lost rank {failed.rank} (exit code "
+              f"{failed.popen.returncode})\n")
+    return failed.popen.returncode or 1
+  return 0
+
+
 def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_proc: int = 1,
            bandwidth: str | None = None, init_timeout_s: int = 120, grace_s: float = 20.0,
            out=None, program: Sequence[str] | None = None,
@@ -380,12 +431,7 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
   processes; returns the exit code (0 only if every process exited 0). If one process fails, the
   others are stopped (SIGTERM, then SIGKILL after `grace_s`) and the error names the lost rank.
   `bandwidth` builds an EmulatedCluster for this launch; `cluster` reuses one already built."""
-  for name, value in (("nodes", nodes), ("procs-per-node", procs_per_node),
-                      ("devices-per-proc", devices_per_proc)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
-  if not argv:
-    raise ValueError("nothing to launch: give the command after --, e.g. -- train CONFIG")
+  _check_launch(argv, nodes, procs_per_node, devices_per_proc)
   rate = parse_rate(bandwidth) if bandwidth is not None else None
   if cluster is not None and (rate is not None or cluster.nodes != nodes):
     raise ValueError("give either bandwidth or a cluster of `nodes` nodes, not both")
@@ -394,10 +440,8 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
   with contextlib.ExitStack() as stack:
     if rate is not None:
       cluster = stack.enter_context(EmulatedCluster(nodes, rate))
-    if cluster is not None:
-      coordinator = f"{cluster.address(0)}:{_free_port()}"
-    else:
-      coordinator = f"127.0.0.1:{_free_port()}"
+    host = cluster.address(0) if cluster is not None else "127.0.0.1"
+    coordinator = f"{host}:{_free_port()}"
     procs: list[_Proc] = []
     interrupted = False
     main = threading.current_thread() is threading.main_thread()
@@ -405,40 +449,15 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
       old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
       for rank in range(world):
-        node = rank // procs_per_node
-        # each process gets --devices-per-proc devices, whatever XLA_FLAGS said here
-        xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                             if "xla_force_host_platform_device_count" not in f)
-        env = dict(os.environ, XLA_FLAGS=xla_flags, **{
-            ENV["coordinator"]: coordinator, ENV["num_processes"]: str(world),
-            ENV["process_id"]: str(rank), ENV["devices"]: str(devices_per_proc),
-            ENV["timeout"]: str(init_timeout_s), ENV["node"]: str(node),
-            ENV["local_rank"]: str(rank % procs_per_node), "PYTHONUNBUFFERED": "1",
-            **(extra_env or {})})
-        if cluster is not None:
-          env[ENV["host"]] = cluster.address(node)
+        env = _process_env(rank, world, procs_per_node, devices_per_proc, coordinator,
+                           init_timeout_s, cluster, extra_env)
         cmd = [*(program or (sys.executable, "-m", "sparsejax.cli")), *argv]
         if cluster is not None:
-          cmd = cluster.exec_prefix(node) + cmd
+          cmd = cluster.exec_prefix(rank // procs_per_node) + cmd
         popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
         procs.append(_Proc(rank, popen))
-      failed = None
-      for _ in _pump(procs, out):
-        for p in procs:
-          if failed is None and p.popen.poll() not in (None, 0):
-            failed = p
-            out.write(f"sparsejax launch: rank {p.rank} (node {p.rank // procs_per_node}) "
-                      f"exited with code {p.popen.returncode}; stopping the other processes\n")
-            out.flush()
-            _stop(procs, grace_s)
-      for p in procs:
-        p.popen.wait()
-      if failed is not None:
-        out.write(f"sparsejax launch: failed: lost rank {failed.rank} (exit code "
-                  f"{failed.popen.returncode})\n")
-        return failed.popen.returncode or 1
-      return 0
+      return _supervise(procs, procs_per_node, grace_s, out)
     except KeyboardInterrupt:
       interrupted = True
       out.write("sparsejax launch: interrupted; stopping every process\n")

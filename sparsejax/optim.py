@@ -345,6 +345,121 @@ def _empty(tree: Any) -> bool:
   return not jax.tree.leaves(tree)
 
 
+@dataclasses.dataclass
+class _Update:
+  """What both faces of a fused optimizer share: the update, its checks and its plans."""
+
+  name: str
+  init_state: Callable[[Callable[[np.dtype], Any]], NamedTuple]
+  update_flat: Callable[[_Plan, jax.Array, NamedTuple, jax.Array | None], tuple]
+  kernel: KernelFn | None
+  plan_for: Callable[[FlatLayout], _Plan]
+  needs_params: bool
+  pairs_matter: bool
+  plans: dict[FlatLayout, _Plan] = dataclasses.field(default_factory=dict)
+
+  def plan(self, lay: FlatLayout) -> _Plan:
+    if lay not in self.plans:
+      self.plans[lay] = self.plan_for(lay)
+    return self.plans[lay]
+
+  def check_flat(self, what: str, x: Any, lay: FlatLayout) -> None:
+    if not hasattr(x, "shape") or tuple(x.shape) != (lay.padded_size,):
+      raise ValueError(f"{self.name} with a FlatLayout expects {what} as a 1-D buffer of length "
+                       f"{lay.padded_size}, got {getattr(x, 'shape', type(x).__name__)}")
+
+  def check_params(self, params: Any) -> None:
+    if self.needs_params and params is None:
+      raise ValueError(f"{self.name} needs params in update(updates, state, params)")
+
+  def empty_init(self, params: Any) -> NamedTuple:
+    # No leaves (an empty tree, or optax.tree.map_params' placeholder): the moments are `params`
+    # itself, as in optax, where they are trees of the params' structure.
+    return self.init_state(lambda dtype: params)
+
+  @staticmethod
+  def empty_update(updates: Any, state: NamedTuple):
+    return updates, state._replace(count=optax.safe_increment(state.count))
+
+  def use_kernel(self, plan: _Plan) -> bool:
+    return self.kernel is not None and not (self.pairs_matter and plan.has_complex)
+
+
+def _flat_face(u: _Update, layout: FlatLayout) -> tuple[Callable, Callable]:
+  """`(init_fn, update_fn)` over float32[layout.padded_size] buffers."""
+  def init_fn(params: jax.Array) -> NamedTuple:
+    if _empty(params):
+      return u.empty_init(params)
+    u.check_flat("params", params, layout)
+    u.plan(layout)  # a mask that does not match the parameters fails here
+    return u.init_state(lambda dtype: jnp.zeros(layout.padded_size, dtype))
+
+  def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None,
+                **extra_args: Any):
+    del extra_args  # accepted and ignored, as optax's transforms do
+    if _empty(updates):
+      return u.empty_update(updates, state)
+    u.check_flat("updates", updates, layout)
+    u.check_params(params)
+    if u.needs_params:
+      u.check_flat("params", params, layout)
+    plan = u.plan(layout)
+    g = updates.astype(jnp.float32)
+    p = params.astype(jnp.float32) if u.needs_params else None
+    state32 = _as_float32(state)
+
+    def on_xla():
+      return u.update_flat(plan, g, state32, p)
+
+    def on_kernel():
+      us, new_state = u.kernel(plan, [g], state32, None if p is None else [p], True)
+      return us[0], new_state
+
+    out, new_state = _on_cpu(on_kernel, on_xla) if u.use_kernel(plan) else on_xla()
+    return out.astype(updates.dtype), _stored_like(new_state, state)
+
+  return init_fn, update_fn
+
+
+def _tree_face(u: _Update) -> tuple[Callable, Callable]:
+  """`(init_fn, update_fn)` over pytrees (laid out on every call, plans cached per layout)."""
+  def init_fn(params: Any) -> NamedTuple:
+    if _empty(params):
+      return u.empty_init(params)
+    size = u.plan(flat_layout(params)).layout.padded_size
+    return u.init_state(lambda dtype: jnp.zeros(size, dtype))
+
+  def update_fn(updates: Any, state: NamedTuple, params: Any = None, **extra_args: Any):
+    del extra_args  # accepted and ignored, as optax's transforms do
+    if _empty(updates):
+      return u.empty_update(updates, state)
+    lay = flat_layout(updates)
+    u.check_params(params)
+    plan = u.plan(lay)
+    state32 = _as_float32(state)
+
+    def on_xla():
+      g = lay.ravel(updates, jnp.float32)
+      p = lay.ravel(params, jnp.float32) if u.needs_params else None
+      out, new_state = u.update_flat(plan, g, state32, p)
+      return jax.tree.leaves(lay.unravel(out)), new_state
+
+    def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
+      gs = [_leaf_to_real(x) for x in lay.treedef.flatten_up_to(updates)]
+      ps = ([_leaf_to_real(x) for x in lay.treedef.flatten_up_to(params)]
+            if u.needs_params else None)
+      us, new_state = u.kernel(plan, gs, state32, ps, False)
+      return ([_leaf_from_real(x, s, d) for x, s, d in zip(us, lay.shapes, lay.dtypes)],
+              new_state)
+
+    us, new_state = _on_cpu(on_kernel, on_xla) if u.use_kernel(plan) else on_xla()
+    out = jax.tree.unflatten(lay.treedef, us)
+    return (jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates),
+            _stored_like(new_state, state))
+
+  return init_fn, update_fn
+
+
 def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTuple],
           update_flat: Callable[[_Plan, jax.Array, NamedTuple, jax.Array | None], tuple],
           kernel: KernelFn | None, plan_for: Callable[[FlatLayout], _Plan],
@@ -360,99 +475,8 @@ def _make(name: str, init_state: Callable[[Callable[[np.dtype], Any]], NamedTupl
   if layout is not None and not isinstance(layout, FlatLayout):
     raise ValueError(f"{name}: layout must be a sparsejax.flat.FlatLayout or None, got "
                      f"{type(layout).__name__}")
-  plans: dict[FlatLayout, _Plan] = {}
-
-  def get_plan(lay: FlatLayout) -> _Plan:
-    if lay not in plans:
-      plans[lay] = plan_for(lay)
-    return plans[lay]
-
-  def check_flat(what: str, x: Any, lay: FlatLayout) -> None:
-    if not hasattr(x, "shape") or tuple(x.shape) != (lay.padded_size,):
-      raise ValueError(f"{name} with a FlatLayout expects {what} as a 1-D buffer of length "
-                       f"{lay.padded_size}, got {getattr(x, 'shape', type(x).__name__)}")
-
-  def check_params(params: Any) -> None:
-    if needs_params and params is None:
-      raise ValueError(f"{name} needs params in update(updates, state, params)")
-
-  def empty_init(params: Any) -> NamedTuple:
-    # No leaves (an empty tree, or optax.tree.map_params' placeholder): the moments are `params`
-    # itself, as in optax, where they are trees of the params' structure.
-    return init_state(lambda dtype: params)
-
-  def empty_update(updates: Any, state: NamedTuple):
-    return updates, state._replace(count=optax.safe_increment(state.count))
-
-  def use_kernel(plan: _Plan) -> bool:
-    return kernel is not None and not (pairs_matter and plan.has_complex)
-
-  if layout is not None:
-    def init_fn(params: jax.Array) -> NamedTuple:
-      if _empty(params):
-        return empty_init(params)
-      check_flat("params", params, layout)
-      get_plan(layout)  # a mask that does not match the parameters fails here
-      return init_state(lambda dtype: jnp.zeros(layout.padded_size, dtype))
-
-    def update_fn(updates: jax.Array, state: NamedTuple, params: jax.Array | None = None,
-                  **extra_args: Any):
-      del extra_args  # accepted and ignored, as optax's transforms do
-      if _empty(updates):
-        return empty_update(updates, state)
-      check_flat("updates", updates, layout)
-      check_params(params)
-      if needs_params:
-        check_flat("params", params, layout)
-      plan = get_plan(layout)
-      g = updates.astype(jnp.float32)
-      p = params.astype(jnp.float32) if needs_params else None
-      state32 = _as_float32(state)
-
-      def on_xla():
-        return update_flat(plan, g, state32, p)
-
-      def on_kernel():
-        us, new_state = kernel(plan, [g], state32, None if p is None else [p], True)
-        return us[0], new_state
-
-      u, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
-      return u.astype(updates.dtype), _stored_like(new_state, state)
-  else:
-    def init_fn(params: Any) -> NamedTuple:
-      if _empty(params):
-        return empty_init(params)
-      size = get_plan(flat_layout(params)).layout.padded_size
-      return init_state(lambda dtype: jnp.zeros(size, dtype))
-
-    def update_fn(updates: Any, state: NamedTuple, params: Any = None, **extra_args: Any):
-      del extra_args  # accepted and ignored, as optax's transforms do
-      if _empty(updates):
-        return empty_update(updates, state)
-      lay = flat_layout(updates)
-      check_params(params)
-      plan = get_plan(lay)
-      state32 = _as_float32(state)
-
-      def on_xla():
-        g = lay.ravel(updates, jnp.float32)
-        p = lay.ravel(params, jnp.float32) if needs_params else None
-        u, new_state = update_flat(plan, g, state32, p)
-        return jax.tree.leaves(lay.unravel(u)), new_state
-
-      def on_kernel():  # the leaves go to the kernel as they are: no ravel, no unravel
-        gs = [_leaf_to_real(x) for x in lay.treedef.flatten_up_to(updates)]
-        ps = ([_leaf_to_real(x) for x in lay.treedef.flatten_up_to(params)]
-              if needs_params else None)
-        us, new_state = kernel(plan, gs, state32, ps, False)
-        return ([_leaf_from_real(u, s, d) for u, s, d in zip(us, lay.shapes, lay.dtypes)],
-                new_state)
-
-      us, new_state = _on_cpu(on_kernel, on_xla) if use_kernel(plan) else on_xla()
-      out = jax.tree.unflatten(lay.treedef, us)
-      return (jax.tree.map(lambda o, x: o.astype(x.dtype), out, updates),
-              _stored_like(new_state, state))
-
+  u = _Update(name, init_state, update_flat, kernel, plan_for, needs_params, pairs_matter)
+  init_fn, update_fn = _flat_face(u, layout) if layout is not None else _tree_face(u)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

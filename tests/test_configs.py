@@ -7,11 +7,12 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import make_mesh, override
+from conftest import make_mesh
 
 from sparsejax.train import config as config_lib
 from sparsejax.train import schedules
-from sparsejax.train.loop import build_trainer
+from sparsejax.train.state import build_model, from_config, shard_batch
+from sparsejax.train.step import jit_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -29,11 +30,9 @@ def test_transformer_wmt_builds_the_base_model():
   config = config_lib.validate(config_lib.load_config(os.path.join(ROOT, "configs",
                                                                    "transformer_wmt.py")))
   assert config.data.name == "wmt14" and config.model.name == "transformer_base"
-  trainer = build_trainer(override(config, {"mesh.nodes": 2, "mesh.local": 4}), make_mesh(2, 4),
-                          config.data.vocab_size, steps_per_epoch=1121, total_steps=22420)
+  model = build_model(config, config.data.vocab_size)
   tokens = np.zeros((1, config.data.seq_len), np.int32)
-  shapes = jax.eval_shape(lambda: trainer.model.init(jax.random.key(0), (tokens, tokens),
-                                                     train=False))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), (tokens, tokens), train=False))
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
   # experiments/param_trees.py's Transformer-base (60,524,544) has final LayerNorms after the
   # encoder and decoder (2 x 1,024); post-LN, as here and in Vaswani et al., has none
@@ -59,10 +58,11 @@ def _smoke(name, num_filters, scale):
   mesh = make_mesh(2, 4)
   steps_per_epoch = 2
   total = int(config.num_epochs * steps_per_epoch)
-  trainer = build_trainer(config, mesh, 1000, steps_per_epoch, total)
+  config.seed = 0
+  setup, state = from_config(config, mesh, 1000, (stages[0][2] // scale, stages[0][2] // scale, 3),
+                             steps_per_epoch=steps_per_epoch, total_steps=total)
   rng = np.random.default_rng(0)
-  state = trainer.init(0, (stages[0][2] // scale, stages[0][2] // scale, 3))
-  step_fn = trainer.train_step_fn(state)
+  step_fn = jit_train_step(setup, state)
   seen = []
   for start, _, size in stages:
     size = size // scale
@@ -71,7 +71,7 @@ def _smoke(name, num_filters, scale):
     for _ in range(2):  # the second step of a stage reuses its compiled program
       images = rng.standard_normal((16, size, size, 3)).astype(np.float32)
       labels = rng.integers(0, 1000, 16).astype(np.int32)
-      state, metrics = step_fn(state, *trainer.shard_batch(images, labels))
+      state, metrics = step_fn(state, *shard_batch(mesh, images, labels))
       assert np.isfinite(float(metrics["loss"])) and float(metrics["skipped"]) == 0
     seen.append((size, float(metrics["learning_rate"]), float(metrics["density"])))
   return config, seen

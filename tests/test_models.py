@@ -10,7 +10,9 @@ from conftest import make_mesh
 
 from sparsejax import models
 from sparsejax.train import default_config
-from sparsejax.train.step import Trainer, build_optimizer
+from sparsejax.train.optimizer import compressor, fused_optimizer, train_chain
+from sparsejax.train.state import create_train_state, shard_batch
+from sparsejax.train.step import jit_eval_step, jit_train_step
 
 # torchvision's counts for the same architectures (ResNet v1.5, 1000 classes).
 COUNTS = {"resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50": 25_557_032,
@@ -56,14 +58,16 @@ def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
   config.optimizer.name = "lars"
   model = models.build(name, num_classes=7, dtype=dtype, num_filters=filters)
   mesh = make_mesh(2, 4)
-  trainer = Trainer(model, mesh, config.compression,
-                    lambda layout: build_optimizer(config.optimizer, 0.1, layout), num_classes=7)
-  state = trainer.init(0, (size, size, 3))
+  setup, state = create_train_state(
+      model, mesh, (size, size, 3),
+      lambda layout: train_chain(compressor(config.compression),
+                                 fused_optimizer(config.optimizer, 0.1, layout)),
+      num_classes=7)
   before = np.asarray(state.params)
-  step = trainer.train_step_fn(state)
+  step = jit_train_step(setup, state)
   images = rng.standard_normal((16, size, size, 3)).astype(np.float32)
   labels = rng.integers(0, 7, 16).astype(np.int32)
-  state, metrics = step(state, *trainer.shard_batch(images, labels))
+  state, metrics = step(state, *shard_batch(mesh, images, labels))
   assert np.isfinite(float(metrics["loss"])) and float(metrics["skipped"]) == 0
   assert int(state.step) == 1
   assert np.any(np.asarray(state.params) != before)
@@ -94,23 +98,25 @@ def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_l
   vocab, length = 53, 11
   model = models.build(name, num_classes=vocab, d_model=16, num_heads=2, d_ff=24, num_layers=2,
                        max_len=16, positions=positions, pre_ln=pre_ln)
-  trainer = Trainer(model, make_mesh(2, 4), config.compression,
-                    lambda layout: build_optimizer(config.optimizer, 1e-3, layout),
-                    num_classes=vocab)
+  mesh = make_mesh(2, 4)
+
+  def make_tx(layout):
+    return train_chain(compressor(config.compression),
+                       fused_optimizer(config.optimizer, 1e-3, layout))
   tokens = rng.integers(1, vocab, (16, length + 1)).astype(np.int32)
   tokens[:, -3:] = 0  # padding
   inputs, labels = tokens[:, :-1], tokens[:, 1:]
   if name == "transformer_base":
     inputs = (rng.integers(1, vocab, (16, length)).astype(np.int32), inputs)
   example = jax.tree.map(lambda x: jnp.zeros((1,) + x.shape[1:], jnp.int32), inputs)
-  state = trainer.init(0, example)
+  setup, state = create_train_state(model, mesh, example, make_tx, num_classes=vocab)
   before = np.asarray(state.params)
-  step = trainer.train_step_fn(state)
-  state, metrics = step(state, *trainer.shard_batch(inputs, labels))
+  step = jit_train_step(setup, state)
+  state, metrics = step(state, *shard_batch(mesh, inputs, labels))
   assert np.isfinite(float(metrics["loss"])) and 0 <= float(metrics["accuracy"]) <= 1
   assert np.any(np.asarray(state.params) != before) and int(state.step) == 1
-  sums = trainer.eval_step_fn(state)(state, *trainer.shard_batch(inputs, labels,
-                                                                 np.ones(16, np.float32)))
+  sums = jit_eval_step(setup, state)(state, *shard_batch(mesh, inputs, labels,
+                                                         np.ones(16, np.float32)))
   assert float(sums["count"]) == float(np.sum(labels != 0))
 
 

@@ -18,7 +18,10 @@ from sparsejax import data as data_lib
 from sparsejax import models
 from sparsejax.train import TooManySkippedSteps, default_config, train_and_evaluate, validate
 from sparsejax.train import config as config_lib
-from sparsejax.train.step import Trainer, build_optimizer, decay_mask
+from sparsejax.train import optimizer as optimizer_lib
+from sparsejax.train.optimizer import compressor, decay_mask, fused_optimizer, train_chain
+from sparsejax.train.state import create_train_state, from_config, shard_batch
+from sparsejax.train.step import jit_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,10 +106,14 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   config.optimizer.weight_decay = 1e-3 if decay_in == "optimizer" else 0.0
   model = models.build("resnet20", num_classes=10, num_filters=4)
   mesh = make_mesh(2, 4)
-  trainer = Trainer(model, mesh, config.compression,
-                    lambda layout: build_optimizer(config.optimizer, 0.05, layout), num_classes=10,
-                    weight_decay=1e-3 if decay_in == "gradient" else 0.0)
-  state = trainer.init(1, (8, 8, 1))
+
+  def make_tx(layout):
+    compress = compressor(config.compression)
+    if decay_in == "gradient":  # in front of the compressor, as with momentum correction
+      compress = optimizer_lib.weight_decay_first(compress, 1e-3, layout)
+    return train_chain(compress, fused_optimizer(config.optimizer, 0.05, layout))
+
+  setup, state = create_train_state(model, mesh, (8, 8, 1), make_tx, seed=1, num_classes=10)
   # no zero-size array anywhere in the state (the dense algorithm has no residual): jax 0.11.2's
   # XLA:CPU compiler segfaults on a sharded zero-size array in the jitted shard_map step
   assert state.comm_state.feedback is None
@@ -114,10 +121,10 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   train, _ = data_lib.digits()
   batches = [(train.images[i * 64:(i + 1) * 64], train.labels[i * 64:(i + 1) * 64])
              for i in range(5)]
-  step = trainer.train_step_fn(state)
+  step = jit_train_step(setup, state)
   got = []
   for images, labels in batches:
-    state, metrics = step(state, *trainer.shard_batch(images, labels))
+    state, metrics = step(state, *shard_batch(mesh, images, labels))
     got.append(float(metrics["loss"]))
 
   variables = jax.jit(lambda r: model.init(r, jnp.zeros((1, 8, 8, 1)), train=False))(
@@ -149,7 +156,7 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   want = []
   for images, labels in batches:
     params, opt_state, stats, loss = ref_step(params, opt_state, stats,
-                                              *trainer.shard_batch(images, labels))
+                                              *shard_batch(mesh, images, labels))
     want.append(float(loss))
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
@@ -256,24 +263,25 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   a velocity beside the residual (Nesterov as configured), training runs, and the state survives
   a checkpoint round trip."""
   from sparsejax.train.checkpoint import Checkpointer
-  from sparsejax.train.loop import build_trainer
+  from sparsejax.train.optimizer import MomentumCorrection, momentum_correction
   config = validate(small_config(**{"compression.momentum_correction": True,
                                     "compression.density": 0.02,
                                     "compression.momentum_masking": True,
                                     "model.num_filters": 4}))
-  trainer = build_trainer(config, make_mesh(2, 4), 10, steps_per_epoch=10, total_steps=20)
-  assert (trainer.momentum, trainer.nesterov, trainer.weight_decay) == (0.9, True, 5e-4)
-  assert trainer.momentum_masking
-  state = trainer.init(0, (8, 8, 1))
+  assert momentum_correction(config) == MomentumCorrection(
+      momentum=0.9, nesterov=True, masking=True, weight_decay=5e-4)
+  assert config.optimizer.momentum == 0.9  # the config is not rewritten
+  mesh = make_mesh(2, 4)
+  setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
   optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
   assert optimizer_state.momentum is None  # the optimizer has no momentum of its own
   feedback = state.comm_state.feedback
   assert feedback.velocity is not None and feedback.velocity.shape == feedback.residual.shape
   train, _ = data_lib.digits()
-  step = trainer.train_step_fn(state)
+  step = jit_train_step(setup, state)
   for i in range(3):
-    state, metrics = step(state, *trainer.shard_batch(train.images[i * 128:(i + 1) * 128],
-                                                      train.labels[i * 128:(i + 1) * 128]))
+    state, metrics = step(state, *shard_batch(mesh, train.images[i * 128:(i + 1) * 128],
+                                              train.labels[i * 128:(i + 1) * 128]))
     assert np.isfinite(float(metrics["loss"]))
   velocity = np.asarray(state.comm_state.feedback.velocity)
   assert np.abs(velocity).sum() > 0  # accumulated ...

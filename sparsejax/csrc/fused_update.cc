@@ -57,6 +57,23 @@ struct Seg {
   int32_t flags;
 };
 
+// A segment's buffers under the names the updates use: the gradient, the params, the first
+// state buffer (the momentum trace, or Adam's first moment) and the second (Adam's second
+// moment; null for SGD and LARS) in and out, the update, and the segment's weight decay.
+struct Buffers {
+  const float* g;
+  const float* p;
+  const float* m_in;
+  const float* v_in;
+  float* m_out;
+  float* v_out;
+  float* u;
+  float d;
+  explicit Buffers(const Seg& s)
+      : g(s.g), p(s.p), m_in(s.in[0]), v_in(s.in[1]), m_out(s.out[0]), v_out(s.out[1]), u(s.u),
+        d(s.decay) {}
+};
+
 // Sums of squares of the two values f(i, x, y) gives for i in [lo, hi): kLanes float partial sums
 // (several independent vector accumulators) within blocks of kBlock values, double across blocks
 // (accurate for tensors of millions of values).
@@ -279,40 +296,60 @@ bool SkipStep(ffi::Buffer<ffi::F32>& scalars, ffi::ThreadPool& pool,
   return true;
 }
 
+// The operands every update takes after the pool and the traced scalars, in the order
+// SPARSEJAX_BIND (at the end of this file) binds them, and the same passed on.
+#define SPARSEJAX_OPERAND_PARAMS                                                          \
+  ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> starts,     \
+      ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat
+#define SPARSEJAX_OPERANDS args, rets, starts, decay, flags, flat
+
+// What `Begin` found: the segments, or `done` with the error to return (Success for a skipped
+// step, whose updates are already zeroed).
+struct Begun {
+  std::vector<Seg> segs;
+  bool done = false;
+  ffi::Error error;
+};
+
+// The start every update shares: the count of traced scalars, the segments (`num_state` state
+// buffers; the weight decay is scalar `decay_at`) and the skip flag.
+Begun Begin(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& scalars, int64_t num_scalars,
+            int decay_at, int num_state, bool has_params, SPARSEJAX_OPERAND_PARAMS) {
+  Begun b;
+  b.error = CheckScalars(scalars, num_scalars);
+  if (b.error.failure()) {
+    b.done = true;
+    return b;
+  }
+  b.error = Decode(args, rets, starts, decay, flags, scalars.typed_data()[decay_at], num_state,
+                   has_params, flat, &b.segs);
+  b.done = b.error.failure() || SkipStep(scalars, pool, b.segs);
+  return b;
+}
+
 // ---------------------------------------------------------------------------------------- SGD
 // v = g + decay * p; t = v + m * trace; u = -lr * (nesterov ? v + m * t : t). State: trace.
 template <bool kDecayed>
 void SgdRange(const Seg& s, int64_t lo, int64_t hi, float lr, float momentum, bool nesterov) {
-  const float* g = s.g;
-  const float* p = s.p;
-  const float* m = s.in[0];
-  float* t_out = s.out[0];
-  float* u = s.u;
-  const float d = s.decay;
+  const Buffers b(s);
   const float mn = nesterov ? momentum : 0.0f;
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
-    const float v = kDecayed ? g[i] + d * p[i] : g[i];
-    const float t = v + momentum * m[i];
-    t_out[i] = t;
-    u[i] = -lr * (nesterov ? v + mn * t : t);
+    const float v = kDecayed ? b.g[i] + b.d * b.p[i] : b.g[i];
+    const float t = v + momentum * b.m_in[i];
+    b.m_out[i] = t;
+    b.u[i] = -lr * (nesterov ? v + mn * t : t);
   }
 }
 
 // Scalars: learning rate, momentum, weight decay, skip.
-ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
-                   ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
+ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, SPARSEJAX_OPERAND_PARAMS,
                    bool nesterov, bool decayed) {
-  if (auto e = CheckScalars(scalars, 4); e.failure()) return e;
+  Begun begun = Begin(pool, scalars, 4, 2, 1, decayed, SPARSEJAX_OPERANDS);
+  if (begun.done) return begun.error;
+  const std::vector<Seg>& segs = begun.segs;
   const float* sc = scalars.typed_data();
   const float lr = sc[0], momentum = sc[1];
-  std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, sc[2], 1, decayed, flat, &segs);
-      e.failure()) {
-    return e;
-  }
-  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (decayed) {
       SgdRange<true>(s, lo, hi, lr, momentum, nesterov);
@@ -326,43 +363,30 @@ ffi::Error SgdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::Rem
 // ---------------------------------------------------------------------------------------- LARS
 // v = g + decay * p; r = trust ratio of (p, v) per segment; v *= r * -lr; then momentum as SGD.
 // Scalars: learning rate, momentum, weight decay, trust coefficient, eps, skip.
-ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
-                    ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
+ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, SPARSEJAX_OPERAND_PARAMS,
                     bool nesterov) {
-  if (auto e = CheckScalars(scalars, 6); e.failure()) return e;
+  Begun begun = Begin(pool, scalars, 6, 2, 1, true, SPARSEJAX_OPERANDS);
+  if (begun.done) return begun.error;
+  const std::vector<Seg>& segs = begun.segs;
   const float* sc = scalars.typed_data();
   const float lr = sc[0], momentum = sc[1], trust_coefficient = sc[3], eps = sc[4];
-  std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, sc[2], 1, true, flat, &segs);
-      e.failure()) {
-    return e;
-  }
-  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
   auto norms = [&](const Seg& s, int64_t lo, int64_t hi, double* pn2, double* un2) {
-    const float* g = s.g;
-    const float* p = s.p;
-    const float d = s.decay;
+    const Buffers b(s);
     SumSquares2(lo, hi, [&](int64_t i, float& x, float& y) {
-      x = p[i];
-      y = g[i] + d * p[i];
+      x = b.p[i];
+      y = b.g[i] + b.d * b.p[i];
     }, pn2, un2);
   };
   auto apply = [&](const Seg& s, int64_t lo, int64_t hi, double pn2, double un2) {
-    const float* g = s.g;
-    const float* p = s.p;
-    const float* m = s.in[0];
-    float* t_out = s.out[0];
-    float* u = s.u;
-    const float d = s.decay;
+    const Buffers b(s);
     const float scale = TrustRatio(s.flags, pn2, un2, trust_coefficient, eps) * -lr;
     const float mn = nesterov ? momentum : 0.0f;
 #pragma omp simd
     for (int64_t i = lo; i < hi; ++i) {
-      const float v = (g[i] + d * p[i]) * scale;
-      const float t = v + momentum * m[i];
-      t_out[i] = t;
-      u[i] = nesterov ? v + mn * t : t;
+      const float v = (b.g[i] + b.d * b.p[i]) * scale;
+      const float t = v + momentum * b.m_in[i];
+      b.m_out[i] = t;
+      b.u[i] = nesterov ? v + mn * t : t;
     }
   };
   TwoPass(pool, segs, norms, apply);
@@ -392,55 +416,36 @@ struct Adam {
 // Padding segments (flat layout only): the moments as everywhere (zero gradients there keep them
 // zero), u = 0 (0/0 with eps = 0 must not reach the updates).
 void MomentsOnly(const Adam& adam, const Seg& s, int64_t lo, int64_t hi) {
-  const float* g = s.g;
-  const float* m = s.in[0];
-  const float* v = s.in[1];
-  float* m_out = s.out[0];
-  float* v_out = s.out[1];
-  float* u = s.u;
+  const Buffers b(s);
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
-    m_out[i] = adam.Mu(g[i], m[i]);
-    v_out[i] = adam.Nu(g[i], v[i]);
-    u[i] = 0.0f;
+    b.m_out[i] = adam.Mu(b.g[i], b.m_in[i]);
+    b.v_out[i] = adam.Nu(b.g[i], b.v_in[i]);
+    b.u[i] = 0.0f;
   }
 }
 
 // AdamW: u = -lr * (adam(g) + decay * p); p is not read when kDecayed is false.
 template <bool kDecayed, bool kNesterov>
 void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr) {
-  const float* g = s.g;
-  const float* p = s.p;
-  const float* m_in = s.in[0];
-  const float* v_in = s.in[1];
-  float* m_out = s.out[0];
-  float* v_out = s.out[1];
-  float* u = s.u;
-  const float d = s.decay;
+  const Buffers b(s);
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
-    const float m = adam.Mu(g[i], m_in[i]), v = adam.Nu(g[i], v_in[i]);
-    m_out[i] = m;
-    v_out[i] = v;
-    const float step = kNesterov ? adam.NesterovDirection(m, g[i], v) : adam.Direction(m, v);
-    u[i] = -lr * (kDecayed ? step + d * p[i] : step);
+    const float m = adam.Mu(b.g[i], b.m_in[i]), v = adam.Nu(b.g[i], b.v_in[i]);
+    b.m_out[i] = m;
+    b.v_out[i] = v;
+    const float step = kNesterov ? adam.NesterovDirection(m, b.g[i], v) : adam.Direction(m, v);
+    b.u[i] = -lr * (kDecayed ? step + b.d * b.p[i] : step);
   }
 }
 
-ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                     ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
-                     ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat,
+ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, SPARSEJAX_OPERAND_PARAMS,
                      bool decayed, bool nesterov) {
-  if (auto e = CheckScalars(scalars, 10); e.failure()) return e;
-  const float* sc = scalars.typed_data();
-  const float lr = sc[0];
-  const Adam adam = Adam::From(sc);
-  std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, sc[8], 2, decayed, flat, &segs);
-      e.failure()) {
-    return e;
-  }
-  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
+  Begun begun = Begin(pool, scalars, 10, 8, 2, decayed, SPARSEJAX_OPERANDS);
+  if (begun.done) return begun.error;
+  const std::vector<Seg>& segs = begun.segs;
+  const float lr = scalars.typed_data()[0];
+  const Adam adam = Adam::From(scalars.typed_data());
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (!(s.flags & kReal)) {
       MomentsOnly(adam, s, lo, hi);
@@ -461,40 +466,27 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::R
 
 // LAMB: moments, direction w = adam + decay * p, per-segment ratio ||p|| / ||w||, u = w * r * -lr.
 // The first pass writes the moments and w (into u) and sums the squares; the second scales u.
-ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets, ffi::Span<const int64_t> starts,
-                    ffi::Span<const float> decay, ffi::Span<const int32_t> flags, bool flat) {
-  if (auto e = CheckScalars(scalars, 10); e.failure()) return e;
-  const float* sc = scalars.typed_data();
-  const float lr = sc[0];
-  const Adam adam = Adam::From(sc);
-  std::vector<Seg> segs;
-  if (auto e = Decode(args, rets, starts, decay, flags, sc[8], 2, true, flat, &segs);
-      e.failure()) {
-    return e;
-  }
-  if (SkipStep(scalars, pool, segs)) return ffi::Error::Success();
+ffi::Error LambImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
+                    SPARSEJAX_OPERAND_PARAMS) {
+  Begun begun = Begin(pool, scalars, 10, 8, 2, true, SPARSEJAX_OPERANDS);
+  if (begun.done) return begun.error;
+  const std::vector<Seg>& segs = begun.segs;
+  const float lr = scalars.typed_data()[0];
+  const Adam adam = Adam::From(scalars.typed_data());
   auto norms = [&](const Seg& s, int64_t lo, int64_t hi, double* pn2, double* un2) {
     *pn2 = *un2 = 0.0;
     if (!(s.flags & kReal)) {
       MomentsOnly(adam, s, lo, hi);
       return;
     }
-    const float* g = s.g;
-    const float* p = s.p;
-    const float* m_in = s.in[0];
-    const float* v_in = s.in[1];
-    float* m_out = s.out[0];
-    float* v_out = s.out[1];
-    float* u = s.u;
-    const float d = s.decay;
+    const Buffers b(s);
     SumSquares2(lo, hi, [&](int64_t i, float& x, float& y) {
-      const float m = adam.Mu(g[i], m_in[i]), v = adam.Nu(g[i], v_in[i]);
-      const float w = adam.Direction(m, v) + d * p[i];
-      m_out[i] = m;
-      v_out[i] = v;
-      u[i] = w;
-      x = p[i];
+      const float m = adam.Mu(b.g[i], b.m_in[i]), v = adam.Nu(b.g[i], b.v_in[i]);
+      const float w = adam.Direction(m, v) + b.d * b.p[i];
+      b.m_out[i] = m;
+      b.v_out[i] = v;
+      b.u[i] = w;
+      x = b.p[i];
       y = w;
     }, pn2, un2);
   };

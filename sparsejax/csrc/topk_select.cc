@@ -510,27 +510,23 @@ ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> values,
   return ffi::Error::Success();
 }
 
+// Every handler runs its loops on XLA's intra-op thread pool.
+auto OnPool() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(); }
+using F32Buffer = ffi::Buffer<ffi::F32>;
+using S32Buffer = ffi::Buffer<ffi::S32>;
+
 }  // namespace
 
+// x (float32, bfloat16 or float16) -> (its top-k values, their indices).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxTopK, TopKImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                              OnPool().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Buffer>());
 
+// (x, residual) -> (the top-k of x + residual, their indices, x + residual with them zeroed).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxTopKFeedback, TopKFeedbackImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              OnPool().Arg<F32Buffer>().Arg<F32Buffer>()
+                                  .Ret<F32Buffer>().Ret<S32Buffer>().Ret<F32Buffer>());
 
+// (values, indices) -> a dense buffer with the values added at their indices.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxScatterAdd, ScatterAddImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              OnPool().Arg<F32Buffer>().Arg<S32Buffer>().Ret<F32Buffer>());

@@ -20,48 +20,43 @@ import jax.numpy as jnp
 ModuleDef = Any
 
 
-class ResNetBlock(nn.Module):
+class _Block(nn.Module):
+  """What both blocks share: their fields and the way out (zero-initialised last BatchNorm, a
+  projection shortcut where the shape changes, the sum, the activation)."""
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable
+  strides: tuple[int, int] = (1, 1)
+
+  def _out(self, x, y, filters: int):
+    """`act(shortcut(x) + norm(y))`; called from the block's compact `__call__`."""
+    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+    if x.shape != y.shape:
+      x = self.conv(filters, (1, 1), self.strides, name="proj_conv")(x)
+      x = self.norm(name="proj_bn")(x)
+    return self.act(x + y)
+
+
+class ResNetBlock(_Block):
   """Basic block: two 3x3 convolutions (ResNet-18/34, CIFAR ResNets)."""
 
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable
-  strides: tuple[int, int] = (1, 1)
-
   @nn.compact
   def __call__(self, x):
-    residual = x
     y = self.conv(self.filters, (3, 3), self.strides)(x)
     y = self.act(self.norm()(y))
-    y = self.conv(self.filters, (3, 3))(y)
-    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), self.strides, name="proj_conv")(residual)
-      residual = self.norm(name="proj_bn")(residual)
-    return self.act(residual + y)
+    return self._out(x, self.conv(self.filters, (3, 3))(y), self.filters)
 
 
-class BottleneckResNetBlock(nn.Module):
+class BottleneckResNetBlock(_Block):
   """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x the filters (ResNet-50 and up)."""
-
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable
-  strides: tuple[int, int] = (1, 1)
 
   @nn.compact
   def __call__(self, x):
-    residual = x
     y = self.act(self.norm()(self.conv(self.filters, (1, 1))(x)))
     y = self.act(self.norm()(self.conv(self.filters, (3, 3), self.strides)(y)))
-    y = self.conv(self.filters * 4, (1, 1))(y)
-    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.filters * 4, (1, 1), self.strides, name="proj_conv")(residual)
-      residual = self.norm(name="proj_bn")(residual)
-    return self.act(residual + y)
+    return self._out(x, self.conv(self.filters * 4, (1, 1))(y), self.filters * 4)
 
 
 class ResNet(nn.Module):

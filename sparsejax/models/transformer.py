@@ -110,8 +110,8 @@ class _Stack(nn.Module):
     return x
 
 
-class Transformer(nn.Module):
-  """Encoder-decoder; `__call__((source, target_in), train)` -> logits [b, t, vocab]."""
+class _Sizes(nn.Module):
+  """The fields both Transformers share, and the pieces built from them."""
 
   vocab_size: int
   d_model: int = 512
@@ -128,11 +128,19 @@ class Transformer(nn.Module):
     return functools.partial(Block, self.d_model, self.num_heads, self.d_ff, self.dropout,
                              self.pre_ln, cross, self.dtype)
 
+  def _embed(self) -> Embed:
+    """The shared token embedding (its transpose gives the logits); call from `__call__`."""
+    return Embed(self.vocab_size, self.d_model, self.max_len, self.positions, self.dtype,
+                 name="embed")
+
+
+class Transformer(_Sizes):
+  """Encoder-decoder; `__call__((source, target_in), train)` -> logits [b, t, vocab]."""
+
   @nn.compact
   def __call__(self, inputs, train: bool = True):
     source, target = inputs
-    embed = Embed(self.vocab_size, self.d_model, self.max_len, self.positions, self.dtype,
-                  name="embed")
+    embed = self._embed()
     drop = nn.Dropout(self.dropout, deterministic=not train)
     src_mask = nn.make_attention_mask(source > 0, source > 0)
     memory = _Stack(self.num_layers, self._block(False), self.pre_ln, self.dtype,
@@ -145,31 +153,21 @@ class Transformer(nn.Module):
     return embed.attend(y)
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(_Sizes):
   """Decoder-only language model; `__call__(tokens, train)` -> next-token logits [b, t, vocab]."""
 
-  vocab_size: int
-  d_model: int = 512
-  num_heads: int = 8
-  d_ff: int = 2048
-  num_layers: int = 6
-  dropout: float = 0.1
   max_len: int = 512
   positions: str = "learned"
   pre_ln: bool = True
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
-    embed = Embed(self.vocab_size, self.d_model, self.max_len, self.positions, self.dtype,
-                  name="embed")
+    embed = self._embed()
     mask = nn.combine_masks(nn.make_attention_mask(tokens > 0, tokens > 0),
                             nn.make_causal_mask(tokens))
-    block = functools.partial(Block, self.d_model, self.num_heads, self.d_ff, self.dropout,
-                              self.pre_ln, False, self.dtype)
     x = nn.Dropout(self.dropout, deterministic=not train)(embed(tokens))
-    x = _Stack(self.num_layers, block, self.pre_ln, self.dtype, name="decoder")(x, mask,
-                                                                                train=train)
+    x = _Stack(self.num_layers, self._block(False), self.pre_ln, self.dtype, name="decoder")(
+        x, mask, train=train)
     return embed.attend(x)
 
 

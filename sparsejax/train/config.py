@@ -22,20 +22,49 @@ def default_config() -> ml_collections.ConfigDict:
   """Every key a config may set, with its default."""
   c = ml_collections.ConfigDict()
   c.seed = 0
+  c.model = _model_defaults()
+  c.data = _data_defaults()
+  # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
+  # that many virtual CPU devices when only a CPU is present.
+  c.mesh = ml_collections.ConfigDict({"nodes": 1, "local": -1, "num_devices": 0})
+  c.batch_size = 128            # global, over all devices
+  c.num_epochs = 10.0
+  c.label_smoothing = 0.0
+  c.optimizer = _optimizer_defaults()
+  c.compression = _compression_defaults()
+  c.log_every_steps = 10
+  # Time to accuracy (DAWNBench): the wall time at which eval metric `target_metric` (e.g.
+  # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked.
+  c.target_metric = ""
+  c.target_value = 0.0
+  c.eval_at_stage_boundaries = False  # also evaluate where a resize stage ends
+  c.eval_every_steps = 0        # 0: only at the end
+  c.checkpoint_every_steps = 0  # 0: only at the end (and on Ctrl-C)
+  c.keep_checkpoints = 3
+  c.max_consecutive_skips = 10  # non-finite gradients this many steps in a row stop the run
+  return c
+
+
+def _model_defaults() -> ml_collections.ConfigDict:
+  """The `model` group."""
   # num_filters: width of the first ResNet stage (0 = the model's own); smoke tests shrink it.
   # d_model, num_heads, d_ff, num_layers: Transformer sizes (0 = the model's own); dropout: the
   # Transformer's rate (-1 = the model's own). A language model's max_len is data.seq_len.
   # hidden: the MLP's layer widths (() = the model's own, (1024, 1024)).
-  c.model = ml_collections.ConfigDict({
+  return ml_collections.ConfigDict({
       "name": "resnet20", "dtype": "float32", "num_filters": 0, "hidden": (),
       "d_model": 0, "num_heads": 0, "d_ff": 0, "num_layers": 0, "dropout": -1.0})
+
+
+def _data_defaults() -> ml_collections.ConfigDict:
+  """The `data` group."""
   # resize_schedule: progressive resizing, ((first_epoch, image_size), ...) sorted by epoch;
   # () keeps the dataset's own size.
   # path: IDX directory (idx, fashion_mnist) or TFDS data directory (imagenet2012).
   # The ImageNet pipeline: cache_dir ("" = no disk tier) and byte budgets per cache point,
   # grain worker processes and reader threads, eval split, and decoded_max_size: resolution
   # stages of at most this size read images pre-decoded at 1.25x their size (no JPEG decoding).
-  c.data = ml_collections.ConfigDict({
+  return ml_collections.ConfigDict({
       "name": "digits", "path": "", "resize_schedule": (),
       "cache_dir": "", "memory_cache_bytes": 1 << 30, "disk_cache_bytes": 100 << 30,
       "workers": 0, "threads": 8, "eval_split": "validation", "decoded_max_size": 160,
@@ -43,13 +72,11 @@ def default_config() -> ml_collections.ConfigDict:
       # data.cache_dir, default ~/.cache/sparsejax)
       "seq_len": 128, "vocab_size": 4096,
   })
-  # Mesh ("node", "local"); -1 fills the rest of the devices. num_devices > 0 asks the CLI for
-  # that many virtual CPU devices when only a CPU is present.
-  c.mesh = ml_collections.ConfigDict({"nodes": 1, "local": -1, "num_devices": 0})
-  c.batch_size = 128            # global, over all devices
-  c.num_epochs = 10.0
-  c.label_smoothing = 0.0
-  c.optimizer = ml_collections.ConfigDict({
+
+
+def _optimizer_defaults() -> ml_collections.ConfigDict:
+  """The `optimizer` group: the fused optimizer and its learning-rate schedule."""
+  return ml_collections.ConfigDict({
       "name": "sgd",            # sgd | lars | lamb | adamw (the fused optimizers)
       "learning_rate": 0.1,     # peak, after warm-up
       "schedule": "cosine",     # cosine | linear | poly | step | constant, after the warm-up
@@ -64,7 +91,11 @@ def default_config() -> ml_collections.ConfigDict:
       "trust_coefficient": 0.001,
       "b1": 0.9, "b2": 0.999, "eps": 1e-8,
   })
-  c.compression = ml_collections.ConfigDict({
+
+
+def _compression_defaults() -> ml_collections.ConfigDict:
+  """The `compression` group: the exchange and its density schedule."""
+  return ml_collections.ConfigDict({
       "algorithm": "hitopk",    # hitopk | allgather | hierarchical | dense
       "density": 0.01,
       "selector": "mstopk",     # mstopk | exact | sampled
@@ -77,17 +108,6 @@ def default_config() -> ml_collections.ConfigDict:
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
   })
-  c.log_every_steps = 10
-  # Time to accuracy (DAWNBench): the wall time at which eval metric `target_metric` (e.g.
-  # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked.
-  c.target_metric = ""
-  c.target_value = 0.0
-  c.eval_at_stage_boundaries = False  # also evaluate where a resize stage ends
-  c.eval_every_steps = 0        # 0: only at the end
-  c.checkpoint_every_steps = 0  # 0: only at the end (and on Ctrl-C)
-  c.keep_checkpoints = 3
-  c.max_consecutive_skips = 10  # non-finite gradients this many steps in a row stop the run
-  return c
 
 
 def _close(key: str, known: list[str]) -> str:

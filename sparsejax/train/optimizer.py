@@ -1,0 +1,156 @@
+"""The one place a config becomes the whole optimizer chain: what the config says is what runs.
+
+    apply_if_finite_across(                  # a non-finite gradient on any worker: no change
+        chain(compressor,                    # topk_allreduce / dense_mean / hierarchical_mean
+              record_norm(),                 # the aggregated gradient's norm, for the metrics
+              fused optimizer),              # fused_sgd / lars / lamb / adamw on the flat buffer
+        WORKERS)
+
+With DGC momentum correction (`compression.momentum_correction` and a sparse algorithm) the
+config's momentum and Nesterov run in the compressor, on what has not been sent yet, its weight
+decay is added to the gradient in front of the compressor (so it passes through the momentum
+too), and the optimizer is plain SGD: `build_optimizer` says so in code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sparsejax import optim
+from sparsejax.comm import SPARSE_ALGORITHMS
+from sparsejax.compress import density_levels, level_index, topk_allreduce
+from sparsejax.finite import apply_if_finite_across
+from sparsejax.flat import FlatLayout
+from sparsejax.train import schedules
+from sparsejax.train.mesh import WORKERS
+
+__all__ = ["build_optimizer", "MomentumCorrection", "momentum_correction", "compressor",
+           "fused_optimizer", "weight_decay_first", "train_chain", "density_level_fn",
+           "decay_mask", "NormState", "record_norm"]
+
+
+def decay_mask(params: Any) -> Any:
+  """Weight decay (and LARS trust ratio) only on kernels: never on BatchNorm and biases."""
+  return jax.tree.map(lambda x: len(x.shape) > 1, params)
+
+
+class NormState(NamedTuple):
+  """norm: float32[], the L2 norm of the updates that last passed through `record_norm`."""
+
+  norm: jax.Array
+
+
+def record_norm() -> optax.GradientTransformation:
+  """Passes the updates through unchanged; its state keeps their L2 norm (a metric)."""
+  def update_fn(updates, state, params=None):
+    del state, params
+    return updates, NormState(optax.tree.norm(updates))
+
+  return optax.GradientTransformation(lambda _: NormState(jnp.zeros([], jnp.float32)), update_fn)
+
+
+class MomentumCorrection(NamedTuple):
+  """DGC momentum correction as the compressor runs it (from the config's `optimizer` group)."""
+
+  momentum: float
+  nesterov: bool
+  masking: bool  # zero the velocity where sent (DGC's momentum factor masking)
+  weight_decay: float  # added to the gradient in front of the compressor
+
+
+def momentum_correction(config: Any) -> MomentumCorrection | None:
+  """The config's momentum correction, or None when it has none (off, or a dense exchange:
+  nothing is delayed there)."""
+  c, o = config.compression, config.optimizer
+  if not (c.momentum_correction and c.algorithm in SPARSE_ALGORITHMS):
+    return None
+  return MomentumCorrection(o.momentum, o.nesterov, c.momentum_masking, o.weight_decay)
+
+
+def compressor(compression: Any, density_schedule: Callable | None = None,
+               correction: MomentumCorrection | None = None) -> optax.GradientTransformation:
+  """The exchange of the config's `compression` group (with momentum correction if given)."""
+  c = compression
+  corrected = {} if correction is None else {
+      "momentum": correction.momentum, "nesterov": correction.nesterov,
+      "momentum_masking": correction.masking}
+  return topk_allreduce(c.density, algorithm=c.algorithm, selector=c.selector,
+                        error_feedback=c.error_feedback, density_schedule=density_schedule,
+                        **corrected)
+
+
+def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout
+                    ) -> optax.GradientTransformation:
+  """The fused optimizer of the config's `optimizer` group, on the flat face of `layout`."""
+  if opt.name == "sgd":
+    return optim.fused_sgd(learning_rate, momentum=opt.momentum or None, nesterov=opt.nesterov,
+                           weight_decay=opt.weight_decay, weight_decay_mask=decay_mask,
+                           layout=layout)
+  if opt.name == "lars":
+    return optim.fused_lars(learning_rate, weight_decay=opt.weight_decay,
+                            weight_decay_mask=decay_mask, trust_coefficient=opt.trust_coefficient,
+                            trust_ratio_mask=decay_mask, momentum=opt.momentum,
+                            nesterov=opt.nesterov, layout=layout)
+  if opt.name == "lamb":
+    return optim.fused_lamb(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                            weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
+  if opt.name == "adamw":
+    return optim.fused_adamw(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                             weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
+  raise ValueError(f"unknown optimizer {opt.name!r}; allowed: sgd, lars, lamb, adamw")
+
+
+def weight_decay_first(inner: optax.GradientTransformation, weight_decay: float,
+                       layout: FlatLayout) -> optax.GradientTransformationExtraArgs:
+  """`inner` fed the flat gradient plus `weight_decay * params` on the leaves of `decay_mask`
+  (coupled weight decay in front of the compressor, as DGC has it). Its state is `inner`'s."""
+  if not weight_decay:
+    return optax.with_extra_args_support(inner)
+  mask = decay_mask(layout.shape_tree())
+
+  def update_fn(updates, state, params=None, **extra_args):
+    grads, values = layout.unravel(updates), layout.unravel(params)
+    grads = jax.tree.map(lambda g, p, m: g + weight_decay * p if m else g, grads, values, mask)
+    return inner.update(layout.ravel(grads, jnp.float32), state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def train_chain(compress: optax.GradientTransformation,
+                optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`apply_if_finite_across(chain(compress, record_norm(), optimizer), WORKERS)`: the shape
+  of every chain the trainer runs (`TrainState.comm_state` is the compressor's state)."""
+  return apply_if_finite_across(optax.chain(compress, record_norm(), optimizer), WORKERS)
+
+
+def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, total_steps: int
+                    ) -> optax.GradientTransformation:
+  """The whole chain a validated config describes, on the flat face of `layout`."""
+  learning_rate = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
+  density = schedules.density(config.compression, steps_per_epoch)
+  correction = momentum_correction(config)
+  if correction is None:
+    return train_chain(compressor(config.compression, density),
+                       fused_optimizer(config.optimizer, learning_rate, layout))
+  # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
+  # with neither behind it.
+  return train_chain(
+      weight_decay_first(compressor(config.compression, density, correction),
+                         correction.weight_decay, layout),
+      optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
+                      weight_decay_mask=decay_mask, layout=layout))
+
+
+def density_level_fn(compression: Any, density_schedule: Callable | None
+                     ) -> Callable[[int], int | None]:
+  """`step -> level`: the compressor's density level at a step (an index into its levels),
+  chosen on the host; None when the density has no schedule or the exchange is dense."""
+  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS:
+    return lambda step: None
+  levels = density_levels(compression.density)
+  return lambda step: level_index(levels, float(density_schedule(step)))
