@@ -300,3 +300,15 @@ def test_momentum_correction_needs_sgd_with_momentum():
                          ({"compression.error_feedback": False}, "compression.error_feedback")):
     with pytest.raises(ValueError, match=match):
       validate(small_config(**{"compression.momentum_correction": True, **changes}))
+
+
+def test_without_momentum_correction_the_optimizer_keeps_the_momentum():
+  """What the config says is what runs: without momentum correction the fused SGD holds the
+  config's momentum and the compressor keeps a residual only."""
+  config = validate(small_config(**{"model.name": "mlp", "model.hidden": (8,)}))
+  assert not config.compression.momentum_correction
+  _, state = from_config(config, make_mesh(2, 4), 10, (8, 8, 1), steps_per_epoch=10,
+                         total_steps=20)
+  optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
+  assert optimizer_state.momentum is not None
+  assert state.comm_state.feedback.velocity is None
