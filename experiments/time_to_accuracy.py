@@ -112,7 +112,7 @@ def load_task(config_path: str, sets: list[str], system: str | None = None,
 def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   """The density level each step runs at (1.0 for the dense exchanges and for PyTorch)."""
   from sparsejax import comm
-  from sparsejax.compress import density_levels
+  from sparsejax.compress import density_levels, level_index
   from sparsejax.train import schedules
   c = config.compression
   if c.algorithm not in comm.SPARSE_ALGORITHMS:
@@ -120,11 +120,8 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   schedule = schedules.density(c, steps_per_epoch)
   if schedule is None:
     return np.full(total, c.density)
-  levels = np.asarray(density_levels(c.density), np.float64)
-  wanted = np.asarray([float(schedule(s)) for s in range(total)])
-  index = np.minimum(np.sum(levels[None, :] < wanted[:, None] * (1 - 1e-6), axis=1),
-                     len(levels) - 1)
-  return levels[index]
+  levels = density_levels(c.density)  # rounded up as the trainer does (compress.level_index)
+  return np.asarray([levels[level_index(levels, float(schedule(s)))] for s in range(total)])
 
 
 def pin_to_core(index: int) -> None:
