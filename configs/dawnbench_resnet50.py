@@ -3,7 +3,7 @@ HiTopKComm on 16 nodes x 8 GPUs (Shi et al., MLSys 2021, set the record at about
 128 V100s over 25 Gbps Ethernet).
 
   sparsejax launch --nodes 16 --procs-per-node 1 -- train configs/dawnbench_resnet50.py \\
-      --set data.path=/path/to/tensorflow_datasets
+      --set data.path=$TFDS_DATA_DIR
 
 Recipe (the published entry's ingredients): 28 epochs, global batch 32,768 (256 per GPU), LARS
 (trust coefficient 0.001, momentum 0.9, weight decay 5e-5 on kernels) with a 5-epoch linear
@@ -15,7 +15,7 @@ Expected: top-5 >= 93% at the end; the wall time at which top-5 first reaches 93
 each stage's end and at the end) is `time_to_target` in summary.json: the DAWNBench figure. Not
 yet run on real ImageNet (needs a GPU cluster); its whole code path runs in CI on a generated
 ImageNet (tests/test_dawnbench.py). Data: `sparsejax prepare imagenet --manual-dir DIR
---data-dir /path/to/tensorflow_datasets` once; decoded low-resolution images are cached under
+--data-dir $TFDS_DATA_DIR` once; decoded low-resolution images are cached under
 data.cache_dir (set it to a local disk).
 """
 

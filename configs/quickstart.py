@@ -1,6 +1,6 @@
 """Quickstart: ResNet-20 on scikit-learn's handwritten digits, 8 CPU devices as 2 nodes x 4.
 
-  sparsejax train configs/quickstart.py --workdir /tmp/quickstart
+  sparsejax train configs/quickstart.py --workdir runs/quickstart
 
 Hardware: any machine; on a CPU-only one the CLI creates the 8 virtual devices itself.
 Compression: HiTopKComm at density 0.01 (1% of the gradient crosses the "node" axis per step),

@@ -1,14 +1,14 @@
 """ResNet-50 on ImageNet (ILSVRC-2012), the 90-epoch recipe (Goyal et al. 2017), with HiTopKComm.
 
   sparsejax train configs/resnet50_imagenet.py --workdir runs/resnet50 \\
-      --set data.path=/path/to/tensorflow_datasets
+      --set data.path=$TFDS_DATA_DIR
 
 Hardware: 1 node x 8 GPUs (mesh 1 x 8; on several nodes set mesh.nodes, e.g. --set mesh.nodes=4).
 Recipe: global batch 1024, SGD with Nesterov momentum 0.9, learning rate 0.1 per 256 images
 (0.4) after a 5-epoch linear warm-up, cosine decay, weight decay 5e-5 on kernels only, label
 smoothing 0.1, 224 px. Compression: HiTopKComm at density 0.01 after a DGC warm-up from 0.25
 over 4 epochs. Expected: ~76% top-1 (the dense recipe's published result; not yet run here).
-Data: `sparsejax prepare imagenet --manual-dir DIR --data-dir /path/to/tensorflow_datasets` once.
+Data: `sparsejax prepare imagenet --manual-dir DIR --data-dir $TFDS_DATA_DIR` once.
 """
 
 from sparsejax.train.config import default_config

@@ -1,7 +1,7 @@
 """Transformer "base" (Vaswani et al. 2017) on WMT14 English -> German, HiTopKComm on 8 nodes x 8.
 
-  sparsejax prepare wmt14 --data-dir /data/tfds          # once: TFDS downloads and builds it
-  srun sparsejax train configs/transformer_wmt.py --set data.path=/data/tfds
+  sparsejax prepare wmt14 --data-dir $TFDS_DATA_DIR        # once: TFDS downloads and builds it
+  srun sparsejax train configs/transformer_wmt.py --set data.path=$TFDS_DATA_DIR
 
 Hardware: 8 nodes x 8 GPUs (64 workers; other meshes with --set mesh.nodes=N mesh.local=G and
 a batch_size divisible by N * G). Data: TFDS `wmt14_translate/de-en` (4.5M training pairs;

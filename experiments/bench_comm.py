@@ -51,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/bench_comm.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 
 SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
          "tiny": 40_009}  # tiny: for the code path's test
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
           "local_processes": args.procs if args.local else None,
           "date": time.strftime("%Y-%m-%d %H:%M"),
           "layout": layout,
-          "command": " ".join(["python", "experiments/bench_comm.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_comm.py", sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, table)
   plot(rows, os.path.splitext(args.out)[0] + ".png")
   print(f"wrote {args.out}")

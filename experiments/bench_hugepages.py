@@ -35,7 +35,7 @@ import numpy as np
 if not __package__:  # run as `python experiments/bench_hugepages.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax import cpu_kernels  # noqa: E402
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparsejax",
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     thp = f.read().strip()
   meta = {"jax": jax.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
           "thp": thp, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": args.runs,
-          "command": " ".join(["python", "experiments/bench_hugepages.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_hugepages.py", sys.argv[1:])}
   first = procs[0]
   lines = [f"`{meta['command']}` ({meta['date']}, {meta['machine']}, {meta['cpus']} CPUs, "
            f"THP: {thp})", "",

@@ -48,7 +48,7 @@ import numpy as np
 if not __package__:  # run as `python experiments/bench_input.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax.data import RemoteSource, TieredCache
 from sparsejax.data import images as image_ops
 from sparsejax.data.imagenet import synthetic_jpeg
@@ -116,7 +116,8 @@ def bench_epochs(args) -> tuple[dict[str, Any], str]:
   lines += [f"| {k} | {v:,.0f} | {v / jpeg:.1f}x |" for k, v in cmed.items()]
   meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "images": args.images,
           "mean_jpeg_kb": mean_kb, "latency_s": LATENCY_S, "bandwidth_bytes_per_s": BANDWIDTH,
-          "threads": args.threads, "runs": args.runs, "command": command_line()}
+          "threads": args.threads, "runs": args.runs,
+          "command": command_line("experiments/bench_input.py", sys.argv[1:])}
   payload = {"meta": meta, "epochs": results, "per_core": core,
              "warm_memory_over_cold": med["memory (3rd+ epoch)"] / cold,
              "warm_disk_over_cold": med["disk (2nd epoch, new process)"] / cold,
@@ -257,7 +258,8 @@ def open_results(args, runs: list[dict], fill_rate: dict[str, float]) -> tuple[d
   ratio = {k: [r[large][k] / r[small][k] for r in runs]
            for k in ("first_open_s", "open_s", "unpickle_s", "walk_s")}
   meta = {"machine": platform.machine(), "cpus": os.cpu_count(), "records": args.records,
-          "runs": args.runs, "repeats": args.repeats, "command": command_line(),
+          "runs": args.runs, "repeats": args.repeats,
+          "command": command_line("experiments/bench_input.py", sys.argv[1:]),
           "date": time.strftime("%Y-%m-%d", time.gmtime())}
   lines = [f"`{meta['command']}` ({meta['machine']}, {meta['cpus']} CPU cores, {meta['date']})",
            "",
@@ -277,10 +279,6 @@ def open_results(args, runs: list[dict], fill_rate: dict[str, float]) -> tuple[d
                  f"{' / '.join(f'{x:.2f}x' for x in mmm(ratio[key]))} |")
   return {"meta": meta, "runs": runs, "ratio_large_over_small": ratio,
           "fill_records_per_s": fill_rate}, "\n".join(lines)
-
-
-def command_line() -> str:
-  return " ".join(["python", "experiments/bench_input.py"] + sys.argv[1:])
 
 
 def main(argv=None) -> int:

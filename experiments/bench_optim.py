@@ -45,7 +45,7 @@ if not __package__:  # run as `python experiments/bench_optim.py`: import from t
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import param_trees  # noqa: E402
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax import cpu_kernels, hlo, optim  # noqa: E402
 
 LR, WD = 0.1, 1e-4
@@ -182,7 +182,7 @@ def main() -> None:
   meta = {"jax": jax.__version__, "optax": optax.__version__, "backend": jax.default_backend(),
           "cpu_kernels": cpu_kernels.library_path() is not None,
           "cpu_count": os.cpu_count(), "machine": platform.machine(), "runs": runs,
-          "command": " ".join(["python", "experiments/bench_optim.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_optim.py", sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, text)
   print(f"wrote {args.out}")
 

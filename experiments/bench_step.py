@@ -35,7 +35,7 @@ import optax
 if not __package__:  # run as `python experiments/bench_step.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax import models
 from sparsejax.train import config as config_lib
 from sparsejax.train import make_mesh
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
           "device": jax.devices()[0].device_kind, "machine": platform.machine(),
           "model": args.model, "dtype": args.dtype, "batch": args.batch, "size": args.size,
           "num_filters": args.num_filters, "steps": args.steps, "warmup": args.warmup,
-          "command": " ".join(["python", "experiments/bench_step.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_step.py", sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, text)
   print(f"wrote {args.out}")
   return 0

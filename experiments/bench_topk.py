@@ -38,7 +38,7 @@ from jax import lax
 if not __package__:  # run as `python experiments/bench_topk.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax import topk
 
 SIZES = (25_557_032, 110_000_000)
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
           "machine": platform.machine(), "python": sys.version.split()[0], "runs": args.runs,
           "procs": args.procs, "date": time.strftime("%Y-%m-%d %H:%M"),
-          "command": " ".join(["python", "experiments/bench_topk.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_topk.py", sys.argv[1:])}
   text = make_table(procs, args.methods)
   text = (f"`{meta['command']}` ({meta['date']}, {meta['machine']}, {meta['cpus']} CPUs)\n\n"
           + text)

@@ -46,7 +46,7 @@ if not __package__:  # run as `python experiments/bench_train.py`: import from t
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 2
 DENSITY = 0.001
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
           "workers_per_node": WORKERS_PER_NODE, "width": args.width,
           "batch_per_worker": args.batch_per_worker, "steps": args.steps,
           "warmup": args.warmup, "density": DENSITY,
-          "command": " ".join(["python", "experiments/bench_train.py"] + sys.argv[1:])}
+          "command": command_line("experiments/bench_train.py", sys.argv[1:])}
   write_results(args.out, {"meta": meta, "results": rows}, table)
   print(f"wrote {args.out}")
   return 0

@@ -59,7 +59,7 @@ if not __package__:  # run as `python experiments/convergence.py`: import from t
 
 import jax  # noqa: E402
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, write_results  # noqa: E402
 from sparsejax.train.config import default_config  # noqa: E402
 
 # name -> compression overrides; the others keep the task's base (hitopk at 0.01, EF, warm-up)
@@ -316,7 +316,7 @@ def parse_args(argv: list[str] | None):
                  help="scale every task's training length (default 1: one epoch)")
   p.add_argument("--collect", action="store_true",
                  help="train nothing: summarize the runs that finished in --workdir")
-  p.add_argument("--workdir", default="/tmp/sparsejax-convergence")
+  p.add_argument("--workdir", default=os.path.join("runs", "convergence"))
   p.add_argument("--out", default=os.path.join(HERE, "results", "convergence.json"))
   args = p.parse_args(argv)
   tasks = [t for t in args.tasks.split(",") if t]
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.error(f"no finished run under {root}")
   rows = summarize(runs)
   text = table(rows)
-  payload = {"command": " ".join(["python experiments/convergence.py", *(argv or sys.argv[1:])]),
+  payload = {"command": command_line("experiments/convergence.py", argv or sys.argv[1:]),
              "quick": args.quick, "epochs": args.epochs, "seeds": seeds,
              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
              "jax": jax.__version__,

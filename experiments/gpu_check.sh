@@ -15,7 +15,7 @@
 # Each part has its own time limit, so one failure or overrun does not lose the others. Writes
 # OUT_DIR/{topk,optim,step}.{json,md}, the logs, and OUT_DIR/gpu.md (all tables, with versions).
 # bench_step needs ml_collections (sparsejax's train package); where it is
-# missing and a folder .whl/ of wheels is present, it is installed from there into /tmp/site.
+# missing and a folder .whl/ of wheels is present, it is installed from there into a temporary folder.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-experiments/results/gpu}
@@ -25,8 +25,9 @@ py=${PYTHON:-python3}
 start=$(date +%s)
 
 if ! $py -c "import ml_collections" 2>/dev/null && [ -d .whl ]; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  site=$(mktemp -d)
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:$site
 fi
 
 {

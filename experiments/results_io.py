@@ -1,11 +1,55 @@
 """Writing a benchmark's results: JSON (every measurement) and a markdown table beside it,
-each written to a temporary name and renamed, so an interrupted run never leaves half a file."""
+each written to a temporary name and renamed, so an interrupted run never leaves half a file.
+
+A committed result must be rerunnable on any machine: `command_line` records the command with
+paths inside the checkout relative to its root and other absolute paths as placeholders
+(`--lock $LOCK`), and `portable_path` / `resolve` store and read paths relative to the root."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def portable_path(path: str) -> str:
+  """`path` relative to the checkout's root where it lies inside it, else as given."""
+  full = os.path.abspath(path)
+  if full == ROOT or full.startswith(ROOT + os.sep):
+    return os.path.relpath(full, ROOT)
+  return path
+
+
+def resolve(path: str) -> str:
+  """A stored path as a file of this checkout: a relative path is relative to its root."""
+  return path if os.path.isabs(path) else os.path.join(ROOT, path)
+
+
+def _portable_arg(arg: str, option: str | None) -> str:
+  if "=" in arg and arg.startswith("--"):
+    key, value = arg.split("=", 1)
+    return f"{key}={_portable_arg(value, key)}"
+  if not os.path.isabs(arg):
+    return arg
+  inside = portable_path(arg)
+  if inside != arg:
+    return inside
+  name = (option or "--path").lstrip("-").replace("-", "_").upper()
+  return f"${name}"
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+  """`python <script> <argv>` as a user reruns it from the checkout's root: paths inside the
+  checkout relative to it, any other absolute path a placeholder named after its option
+  (an --out outside the checkout is written `--out $OUT`)."""
+  words, option = ["python", portable_path(script)], None
+  for arg in argv:
+    words.append(_portable_arg(arg, option))
+    option = arg if arg.startswith("--") and "=" not in arg else None
+  return " ".join(words)
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -59,7 +59,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/scaling_model.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+    command_line,
+    portable_path,
+    resolve,
+    write_results,
+)  # noqa: E402
 
 RESNET50 = 25_557_032
 PAIR_BYTES = 8     # float32 value + int32 index
@@ -388,19 +393,13 @@ def tta_cluster(params: np.ndarray, rate_bps: float | None, overhead: float,
 
 
 def tta_model_size(tta: dict[str, Any]) -> int:
-  """Parameters of the study's model (its config and --set values are in the results)."""
-  import jax
-
-  from experiments.time_to_accuracy import load_task
-  from sparsejax import data, models
+  """Parameters of the study's model: as the results record it, else built from their config
+  and --set values (which opens the task's data)."""
+  from experiments.time_to_accuracy import load_task, model_size
   meta = tta["meta"]
-  config = load_task(meta["config"], meta["sets"])
-  inputs = data.open_inputs(config)
-  model = models.build(config.model.name, num_classes=inputs.num_classes,
-                       **({"hidden": tuple(config.model.hidden)} if config.model.hidden else {}))
-  example = inputs.example(None)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), example))
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+  if "parameters" in meta:
+    return int(meta["parameters"])
+  return model_size(load_task(resolve(meta["config"]), meta["sets"]))
 
 
 def calibrate_tta(tta: dict[str, Any], n: int) -> dict[str, Any]:
@@ -478,12 +477,19 @@ def project_tta(tta: dict[str, Any], batch_per_gpu: int) -> dict[str, Any]:
   return {"rows": rows, "steps_ratios": ratios}
 
 
+def _rate(bytes_per_s: float) -> str:
+  """A fitted rate in MB/s; past 1 TB/s the data did not bound it (the fit's value is noise)."""
+  if bytes_per_s > 1e12:
+    return "unbounded (> 1 TB/s: no row limited by it)"
+  return f"{bytes_per_s / 1e6:.0f} MB/s"
+
+
 def tta_table(cal: dict[str, Any], proj: dict[str, Any]) -> str:
   p = cal["params"]
   lines = ["", "### 3. The link-bound time-to-accuracy runs (time_to_accuracy.json)", "",
            f"Step = compute ({cal['compute_s'] * 1e3:.1f} ms, the parity phase) + the exchange "
            f"of {cal['n']:,} values. Fitted to the {cal['fitted']} rows: "
-           f"{p['call_s'] * 1e3:.2f} ms per collective, gloo {p['net_Bps'] / 1e6:.0f} MB/s, "
+           f"{p['call_s'] * 1e3:.2f} ms per collective, gloo {_rate(p['net_Bps'])}, "
            f"{p['intra_Bps'] / 1e9:.2f} GB/s between a process's devices, select "
            f"{p['select_s_per_value'] * 1e9:.2f} ns/value, {p['pair_s'] * 1e9:.1f} ns/pair, "
            f"pass {p['pass_s_per_value'] * 1e9:.2f} ns/value; link overhead "
@@ -643,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     text += "\n" + tta_table(tta_cal, tta_proj)
   else:
     print(f"{args.tta} does not exist: no section 3 (run experiments/time_to_accuracy.py)")
-  payload = {"command": " ".join(["python experiments/scaling_model.py", *(argv or sys.argv[1:])]),
-             "comm_source": os.path.relpath(args.comm, os.path.dirname(HERE)),
+  payload = {"command": command_line("experiments/scaling_model.py", argv or sys.argv[1:]),
+             "comm_source": portable_path(args.comm),
              "calibration": cal, "calibration_rate_split": cal_rate, "projection": proj,
              "time_to_accuracy_calibration": tta_cal, "time_to_accuracy_projection": tta_proj,
              "batch_per_gpu": args.batch_per_gpu,

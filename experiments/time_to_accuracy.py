@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -62,7 +63,7 @@ if not __package__:  # run as `python experiments/time_to_accuracy.py`: import f
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import launch_workers  # noqa: E402
-from experiments.results_io import write_results  # noqa: E402
+from experiments.results_io import command_line, portable_path, write_results  # noqa: E402
 
 NODES = 2
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
@@ -88,8 +89,11 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch-powersgd": ("torch", {"powersgd": True}),
 }
 DEFAULT_BANDWIDTHS = "unlimited,5gbit,2gbit,1gbit,500mbit,200mbit"
-QUICK_SETS = ["model.hidden=(96,)", "batch_size=64", "num_epochs=0.04", "eval_every_steps=12",
-              "target_value=0.5", "optimizer.warmup_epochs=0.0", "compression.warmup_epochs=0.01"]
+# --quick: the same code paths on scikit-learn's digits (no download, no system package), 36 steps
+QUICK_SETS = ["data.name=digits", "model.hidden=(256,)", "batch_size=64", "num_epochs=1.6",
+              "eval_every_steps=12", "target_value=0.5", "optimizer.warmup_epochs=0.0",
+              "compression.warmup_epochs=0.4"]
+PEERS_INSTALL = "pip install -e '.[peers]' torch==2.13.0"
 
 
 # ----------------------------------------------------------------------------- shared set-up
@@ -107,6 +111,19 @@ def load_task(config_path: str, sets: list[str], system: str | None = None,
     overrides.append(f"seed={seed}")
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), overrides)
   return config_lib.validate(tree)
+
+
+def model_size(config, inputs=None) -> int:
+  """The number of parameters of the task's model (`inputs`: its opened data, else opened)."""
+  import jax
+
+  from sparsejax import data as data_lib
+  from sparsejax import models
+  inputs = inputs or data_lib.open_inputs(config)
+  model = models.build(config.model.name, num_classes=inputs.num_classes,
+                       **({"hidden": tuple(config.model.hidden)} if config.model.hidden else {}))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), inputs.example(None)))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
 
 
 def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
@@ -629,7 +646,10 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
     have = [b for b in bws if any(b in e["predicted_time_to_target_s"] for e in analysis.values())]
     if have:
       ratio_row = results.get("exchange_over_compute", {})
-      lines += ["", "Time to target (s, seeds min / median / max) by link bandwidth; dense "
+      lines += ["", "Time to target (s, seeds min / median / max) by link bandwidth, each = steps "
+                f"to target (trained at {headline}) x the median step time measured at that "
+                "bandwidth and density level (not trained end to end, except the "
+                f"{headline} column, whose end-to-end train time is in the table above); dense "
                 "exchange / compute ratio in the header:", "",
                 "| system | " + " | ".join(f"{b} ({ratio_row.get(b, float('nan')):.2g})"
                                             for b in have) + " |",
@@ -710,7 +730,9 @@ def plot(results: dict, analysis: dict, png: str) -> None:
   ax.set_yscale("log")
   ax.set_xlabel("inter-node link, Gbit/s (rightmost: unlimited)")
   ax.set_ylabel(f"time to test accuracy {results['meta']['target']} (s, median of seeds)")
-  ax.set_title(f"Time to target on 2 emulated nodes: {results['meta']['task']}")
+  ax.set_title(f"Time to target on 2 emulated nodes: {results['meta']['task']}\n"
+               f"(steps to target at {results['meta']['headline']} x step time measured at each "
+               "link)", fontsize=10)
   ax.legend(fontsize=8)
   ax.grid(True, which="both", alpha=0.3)
   fig.tight_layout()
@@ -738,7 +760,8 @@ def main(argv=None) -> int:
   ap.add_argument("--lock", help="a file to flock around each process run (benchmarks that "
                   "share the machine and the file take turns)")
   ap.add_argument("--quick", action="store_true",
-                  help="CI smoke run: tiny MLP, few steps, dense/hitopk-0.01/torch-ddp, 1 seed")
+                  help="CI smoke run: small MLP on digits, 36 steps, dense/hitopk-0.01/torch-ddp, "
+                  "1 seed")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "time_to_accuracy.json"))
   ap.add_argument("--from-results", metavar="JSON",
                   help="no runs: analyse a results file again, writing --out's table and plot")
@@ -753,6 +776,7 @@ def main(argv=None) -> int:
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.argv = list(sys.argv[1:] if argv is None else argv)
+  args.config = os.path.abspath(args.config)  # results store it relative to the checkout
   if args.mode != "driver":
     args.sets = args.sets_json
     if args.mode == "run":
@@ -793,6 +817,11 @@ def drive(ap, args) -> int:
   phases = [p.strip() for p in args.phases.split(",")]
   if not set(phases) <= {"parity", "runs"}:
     ap.error(f"--phases must be a subset of parity,runs, got {args.phases!r}")
+  torch_needed = [s for s in systems if SYSTEMS[s][0] == "torch"] + (
+      ["the parity phase"] if "parity" in phases else [])
+  if torch_needed and importlib.util.find_spec("torch") is None:
+    ap.error(f"{', '.join(torch_needed)} need PyTorch, which is not installed: {PEERS_INSTALL} "
+             f"(or --phases runs --systems with sparsejax systems only)")
   for name in ("seeds", "parity_runs", "reps"):
     if getattr(args, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -809,16 +838,19 @@ def drive(ap, args) -> int:
     ap.error("the config must set target_metric = 'accuracy' and target_value")
   from sparsejax import cluster
   from sparsejax import data as data_lib
-  steps_per_epoch = data_lib.open_inputs(config).steps_per_epoch
+  inputs = data_lib.open_inputs(config)
+  steps_per_epoch = inputs.steps_per_epoch
   total = max(1, math.ceil(config.num_epochs * steps_per_epoch))
   results: dict[str, Any] = {"systems": systems, "meta": {
       "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
-      "config": args.config, "sets": args.sets, "bandwidths": args.bandwidths,
+      "config": portable_path(args.config), "sets": args.sets, "bandwidths": args.bandwidths,
       "headline": args.headline, "machine": platform.machine(), "cpus": os.cpu_count(),
       "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
       "batch_size": config.batch_size, "total_steps": total,
-      "command": " ".join(["python", "experiments/time_to_accuracy.py"] + args.argv)}}
+      "parameters": model_size(config, inputs),
+      "command": command_line("experiments/time_to_accuracy.py", args.argv)}}
   log = sys.stdout
+  partial = os.path.splitext(args.out)[0] + ".partial.json"  # every finished run, as it ends
   if "parity" in phases:
     results["parity"] = run_parity(args, log)
   if "runs" in phases:
@@ -844,8 +876,11 @@ def drive(ap, args) -> int:
             row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]
           results["train"].append(row)
           print(json.dumps({"system": system, "seed": seed, "reached": hit}), flush=True)
-          write_results(args.out + ".partial", results, "partial: not analysed yet")
+          write_results(partial, results, "partial: not analysed yet")
   report(results, args.out)
+  for leftover in (partial, os.path.splitext(partial)[0] + ".md"):
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(leftover)
   return 0
 
 

@@ -4,7 +4,10 @@
 decides alone: inside `shard_map` one worker with a NaN would skip while the others apply, and
 the replicas would drift apart. `apply_if_finite_across(inner, axis_name)` takes the same
 decision on every worker: the finiteness of each worker's incoming updates is combined with a
-`lax.pmin` over the mesh axes, so a NaN anywhere skips the step everywhere. A skipped step
+`lax.pmin` over the mesh axes, so a NaN anywhere skips the step everywhere. Called like
+`optax.apply_if_finite` (no `axis_name`), it agrees over every axis bound where `update` runs
+(shard_map's, pmap's, a named vmap's): its default cannot leave one worker skipping while the
+others wait in a collective of the inner chain. A skipped step
 returns zero updates and the inner state exactly as it was (parameters, optimizer moments,
 compression residuals and counters all unchanged); nothing inside `inner` needs to know.
 """
@@ -50,6 +53,14 @@ def _vary(x: jax.Array, axes: frozenset) -> jax.Array:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _bound_axes() -> tuple:
+  """The mapped axis names bound where this is traced: shard_map's manual axes, pmap's and a
+  named vmap's axis (JAX has no public query for them; `unsafe_get_axis_names` reads the trace's
+  axis environment, jax 0.10.x)."""
+  from jax._src import core
+  return tuple(core.unsafe_get_axis_names())
+
+
 def apply_if_finite_across(inner: optax.GradientTransformation,
                            axis_name: str | Sequence[str] | None = None,
                            max_consecutive_errors: int | None = None
@@ -59,8 +70,11 @@ def apply_if_finite_across(inner: optax.GradientTransformation,
   Args:
     inner: the transform to protect, typically a whole chain (clip, `topk_allreduce`, optimizer).
     axis_name: the axes the workers span (one name or a tuple, as bound by `shard_map` or
-      `pmap`); the step is skipped on every worker if any worker's updates are not finite. None:
-      no collective, each caller decides alone (exactly `optax.apply_if_finite`).
+      `pmap`); the step is skipped on every worker if any worker's updates are not finite.
+      None (default): every axis bound where `update` is traced (all of shard_map's manual
+      axes, pmap's axis), found at trace time; outside any mapped context, no collective.
+      `()`: no collective, each caller decides alone (exactly `optax.apply_if_finite`; safe
+      only when `inner` has no collective).
     max_consecutive_errors: after this many non-finite steps in a row the update is applied
       anyway (optax's behaviour); None (default): never applied, the caller decides when to stop
       (the trainer stops the run after `max_consecutive_skips`).
@@ -92,8 +106,16 @@ def apply_if_finite_across(inner: optax.GradientTransformation,
   def update_fn(updates: Any, state: optax.ApplyIfFiniteState, params: Any = None,
                 **extra_args: Any):
     finite = all_finite(updates)
-    if axes is not None:
-      finite = lax.pmin(finite.astype(jnp.int32), tuple(axes)).astype(bool)
+    over = _bound_axes() if axes is None else tuple(axes)
+    unagreed = _varying(finite) - set(over)
+    if over and unagreed:  # shard_map's types say some workers could decide otherwise
+      raise ValueError(
+          f"apply_if_finite_across(axis_name={axis_name!r}): the updates vary over mesh axes "
+          f"{sorted(unagreed)} too, so workers along them could skip while the others wait in a "
+          f"collective; pass axis_name={tuple(sorted(set(over) | unagreed))!r} (or leave it "
+          f"None: every bound axis)")
+    if over:
+      finite = lax.pmin(finite.astype(jnp.int32), over).astype(bool)
     notfinite_count = jnp.where(finite, 0, optax.safe_increment(state.notfinite_count))
     apply = finite
     if max_consecutive_errors is not None:

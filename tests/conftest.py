@@ -1,6 +1,7 @@
 """Every test sees 8 CPU devices (set before jax is imported anywhere)."""
 
 import os
+import tempfile
 import zlib
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -8,7 +9,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled programs are cached on disk for the session: a resumed run compiles nothing again.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.environ.get("TMPDIR", "/tmp"), f"sparsejax-test-jit-cache-{os.getuid()}"))
+    tempfile.gettempdir(), f"sparsejax-test-jit-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
 
 import jax  # noqa: E402
@@ -73,7 +74,7 @@ def fake_imagenet(tmp_path_factory):
   except ModuleNotFoundError:
     if os.environ.get("CI"):
       pytest.fail("CI must install the prepare extra (tensorflow-cpu) for the ImageNet tests")
-    pytest.skip("pip install 'sparsejax[prepare]' to prepare ImageNet with TFDS")
+    pytest.skip("needs TensorFlow to prepare ImageNet with TFDS: pip install -e '.[prepare]'")
   from sparsejax.data import imagenet
   root = tmp_path_factory.mktemp("imagenet")
   info = imagenet.fake_manual_dir(str(root / "manual"), classes=4, per_class=6, val=8, corrupt=1,

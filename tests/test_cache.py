@@ -497,8 +497,8 @@ def test_a_writer_killed_mid_write_leaves_a_step_the_next_opener_settles(tmp_pat
 @pytest.mark.parametrize("kwargs, match", [
     ({"memory_bytes": 0}, "memory_bytes must be a positive number of bytes, got 0"),
     ({"memory_bytes": -5}, "got -5"),
-    ({"memory_bytes": 100, "disk_dir": "/tmp/x", "disk_bytes": 0}, "disk_bytes must be"),
-    ({"memory_bytes": 100, "disk_dir": "/tmp/x"}, "disk_bytes must be"),
+    ({"memory_bytes": 100, "disk_dir": "some/dir", "disk_bytes": 0}, "disk_bytes must be"),
+    ({"memory_bytes": 100, "disk_dir": "some/dir"}, "disk_bytes must be"),
     ({"memory_bytes": 100, "disk_bytes": 10}, "without disk_dir"),
 ])
 def test_bad_budgets_are_clear_errors(kwargs, match):
@@ -554,7 +554,8 @@ def tiny_filesystem(tmp_path):
   res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
   if res.returncode != 0:
-    pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}): run as root, e.g. "
+                "sudo -E python -m pytest -q")
   yield mnt
   subprocess.run(["umount", "--lazy", str(mnt)], check=True)
 

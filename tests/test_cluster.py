@@ -33,7 +33,7 @@ def _need_root():
   if os.geteuid() != 0:
     if os.environ.get("CI"):
       pytest.fail("CI runs as root: the emulated-cluster tests must run there")
-    pytest.skip("needs root (network namespaces)")
+    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
 
 
 def _sparsejax_namespaces() -> list[str]:
@@ -166,7 +166,8 @@ def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
   more than one core is left as it is. The all-reduce still adds up."""
   _need_root()
   if len(os.sched_getaffinity(0)) < 2:
-    pytest.skip("needs 2 cores: one process pinned, one not")
+    pytest.skip("needs 2 cores (one process pinned, one not): run on 2 or more, e.g. "
+                "taskset -c 0,1 python -m pytest -q")
   script = tmp_path / "worker.py"
   script.write_text(GLOO_IDLE_WORKER)
   out = io.StringIO()
@@ -228,9 +229,9 @@ def _launched_pid(rank: int) -> int:
 
 # ----------------------------------------------------------------------------- training
 
-def test_more_processes_than_the_mesh_allows_fails_clearly():
+def test_more_processes_than_the_mesh_allows_fails_clearly(tmp_path):
   out = io.StringIO()
-  rc = cluster.launch(["train", QUICKSTART, "--workdir", "/tmp/unused-sparsejax-run",
+  rc = cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "unused-run"),
                        "--no-progress"], nodes=3, procs_per_node=1, devices_per_proc=4,
                       init_timeout_s=60, out=out)
   assert rc != 0

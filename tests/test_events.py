@@ -105,7 +105,7 @@ def test_metrics_writer_logs_every_split_to_one_event_file(tmp_path):
 @pytest.mark.slow
 def test_tensorflow_reads_the_event_file(tmp_path):
   """The real reader (slow: TensorFlow takes ~13 s to import here)."""
-  tf = pytest.importorskip("tensorflow")
+  tf = pytest.importorskip("tensorflow", reason="needs TensorFlow: pip install -e '.[prepare]'")
   w = EventWriter(str(tmp_path))
   w.write(7, {"train/loss": 1.25})
   w.close()

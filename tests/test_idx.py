@@ -88,7 +88,7 @@ def test_fashion_mnist_from_the_debian_package():
     if os.environ.get("CI"):
       pytest.fail(f"{idx.FASHION_MNIST_DIR} missing: .ci/run must apt-get install "
                   "dataset-fashion-mnist")
-    pytest.skip("apt-get install dataset-fashion-mnist to run this test")
+    pytest.skip("needs Debian's Fashion-MNIST: apt-get install dataset-fashion-mnist")
   train, test = small.load("fashion_mnist")
   assert train.images.shape == (60000, 28, 28, 1) and test.images.shape == (10000, 28, 28, 1)
   assert train.num_classes == 10

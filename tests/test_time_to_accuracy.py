@@ -2,6 +2,7 @@
 cluster), its bookkeeping against hand-computed values, and the PyTorch peer's model against the
 flax MLP."""
 
+import importlib.util
 import json
 import os
 
@@ -16,16 +17,33 @@ from sparsejax.compress import density_levels
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_mlp.py")
 
 
-def test_quick_run_trains_every_system_sweeps_and_tears_down(tmp_path):
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+  """One --quick study (digits, 2 emulated nodes): the sparsejax systems, and PyTorch DDP with
+  the parity phase where PyTorch is installed."""
   if os.geteuid() != 0:
     if os.environ.get("CI"):
       pytest.fail("CI runs as root: the emulated-cluster study must run there")
-    pytest.skip("needs root (network namespaces)")
-  out = tmp_path / "tta.json"
-  assert tta.main(["--quick", "--out", str(out)]) == 0
-  got = json.loads(out.read_text())
-  assert [r["system"] for r in got["train"]] == ["dense", "hitopk-0.01", "torch-ddp"]
+    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  out = tmp_path_factory.mktemp("tta") / "tta.json"
+  argv = ["--quick", "--out", str(out)]
+  if not HAVE_TORCH:
+    argv += ["--systems", "dense,hitopk-0.01", "--phases", "runs"]
+  assert tta.main(argv) == 0
+  return json.loads(out.read_text()), out
+
+
+def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
+  got, out = quick
+  jax_systems = ["dense", "hitopk-0.01"]
+  assert [r["system"] for r in got["train"]] == jax_systems + (["torch-ddp"] * HAVE_TORCH)
+  assert got["meta"]["config"] == "configs/tta_fmnist_mlp.py"  # relative to the checkout
+  assert "data.name=digits" in got["meta"]["sets"]
   assert cluster.EmulatedCluster.leftovers("tta") == []
+  assert not os.path.exists(str(out).replace(".json", ".partial.json"))
   for run in got["train"]:
     steps = [p["step"] for p in run["curve"]]
     assert steps == sorted(steps) and steps[-1] == run["total_steps"]
@@ -40,7 +58,7 @@ def test_quick_run_trains_every_system_sweeps_and_tears_down(tmp_path):
   sweep = {(r["system"], r["bandwidth"], r["density"]) for r in got["sweep"]}
   levels = [d for d in density_levels(0.01) if d >= 0.01]
   for bw in ("unlimited", "200mbit"):
-    assert ("dense", bw, 1.0) in sweep and ("torch-ddp", bw, 1.0) in sweep
+    assert ("dense", bw, 1.0) in sweep
     assert {d for s, b, d in sweep if s == "hitopk-0.01" and b == bw} <= set(levels)
     assert ("hitopk-0.01", bw, 0.01) in sweep
   dense_bytes = [r["node0_link_bytes_per_step"] for r in got["sweep"] if r["system"] == "dense"]
@@ -51,10 +69,21 @@ def test_quick_run_trains_every_system_sweeps_and_tears_down(tmp_path):
   by_level = {r["density"]: r["node0_link_bytes_per_step"] for r in got["sweep"]
               if r["system"] == "hitopk-0.01" and r["bandwidth"] == "200mbit"}
   assert max(by_level) > 0.01 and by_level[max(by_level)] > 3 * by_level[0.01]
-  assert got["parity"][0]["jax"]["step_s"] > 0 and got["parity"][0]["torch"]["step_s"] > 0
-  assert set(got["analysis"]) == {"dense", "hitopk-0.01", "torch-ddp"}
+  assert set(jax_systems) <= set(got["analysis"])
   md = out.with_suffix(".md").read_text()
   assert "| dense |" in md and "Command: `python experiments/time_to_accuracy.py --quick" in md
+
+
+def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
+  if not HAVE_TORCH:
+    if os.environ.get("CI"):
+      pytest.fail("CI installs PyTorch (.ci/run): the peer must run there")
+    pytest.skip(f"needs PyTorch: {tta.PEERS_INSTALL}")
+  got, _ = quick
+  assert {(r["system"], r["bandwidth"]) for r in got["sweep"] if r["system"] == "torch-ddp"} == {
+      ("torch-ddp", "unlimited"), ("torch-ddp", "200mbit")}
+  assert got["parity"][0]["jax"]["step_s"] > 0 and got["parity"][0]["torch"]["step_s"] > 0
+  assert "torch-ddp" in got["analysis"]
 
 
 def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
@@ -90,7 +119,7 @@ def test_analysis_sums_steps_per_level_times_median_step_time():
 
 
 def test_the_pytorch_peer_is_the_flax_mlp():
-  torch = pytest.importorskip("torch")
+  torch = pytest.importorskip("torch", reason=f"needs PyTorch: {tta.PEERS_INSTALL}")
   model = models.build("mlp", num_classes=10, hidden=(24, 17))
   x = np.random.default_rng(0).standard_normal((6, 28, 28, 1)).astype(np.float32)
   params = model.init(jax.random.key(0), x)["params"]

@@ -55,7 +55,7 @@ def test_encode_pairs_cuts_marks_and_pads(tmp_path):
 def test_tfds_pairs_reads_a_prepared_translation_dataset(tmp_path):
   """The TFDS reader on a real (small) TFDS translation dataset built here: the same builder
   machinery and ArrayRecord files `sparsejax prepare wmt14` produces."""
-  pytest.importorskip("tensorflow")
+  pytest.importorskip("tensorflow", reason="needs TensorFlow: pip install -e '.[prepare]'")
   import tensorflow_datasets as tfds
 
   class SparsejaxTinyTranslate(tfds.core.GeneratorBasedBuilder):

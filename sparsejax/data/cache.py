@@ -4,7 +4,7 @@ Both are random-access sources in grain's protocol (`__len__`, `__getitem__`, a 
 picklable, thread-safe) and wrap any other one, e.g. a TFDS data source or a decoding stage:
 
   source = RemoteSource(tfds_source, latency_s=0.01, bandwidth_bytes_per_s=20e6)
-  cached = TieredCache(source, memory_bytes=2 << 30, disk_dir="/local/cache", disk_bytes=200 << 30)
+  cached = TieredCache(source, memory_bytes=2 << 30, disk_dir=local_disk, disk_bytes=200 << 30)
   cached[7]            # source on the first read, memory or disk afterwards
   cached.stats()       # {"memory": {"hits": ..}, "disk": {..}, "source": {..}}
 

@@ -1,6 +1,6 @@
 """Parallel text for the encoder-decoder Transformer: WMT14 en-de via TFDS, or any TSV corpus.
 
-  pairs = tfds_pairs(data_dir="/data/tfds", split="train")   # wmt14_translate/de-en, en -> de
+  pairs = tfds_pairs(data_dir=tfds_dir, split="train")   # wmt14_translate/de-en, en -> de
   pairs = tsv_pairs("corpus.tsv")                           # "source<TAB>target" per line
   tok = bpe_tokenizer(tokenizer_corpus(pairs), vocab_size=32000, cache_dir=...)  # joint BPE
   src, tgt = encode_pairs(tok, pairs, seq_len=128)
