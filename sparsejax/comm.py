@@ -40,6 +40,7 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "sparse_hitopk", "sparse_gtopk", "sparse_higtopk", "sparse_collective",
            "topk_allgather",
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
+           "gtopk_sums", "gtopk_settle", "gather_pairs", "scatter_pairs",
            "settle", "wire_bytes", "axis_size", "axis_names", "ALGORITHMS", "SPARSE_ALGORITHMS",
            "HIERARCHICAL_ALGORITHMS"]
 
@@ -127,16 +128,43 @@ def _all_gather(x: jax.Array, axis: str | tuple[str, ...], size: int) -> jax.Arr
   return x if size == 1 else lax.all_gather(x, axis, axis=0, tiled=True)
 
 
+def _pack(values: jax.Array, indices: jax.Array) -> jax.Array | None:
+  """(values, indices) as one int32[2, k] buffer (float32 values bitcast), so that a pair set
+  moves in ONE collective (each has a fixed latency); None for other value dtypes."""
+  if values.dtype != jnp.float32 or indices.dtype != jnp.int32:
+    return None
+  return jnp.stack([lax.bitcast_convert_type(values, jnp.int32), indices])
+
+
+def _unpack(both: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return lax.bitcast_convert_type(both[0], jnp.float32), both[1]
+
+
+def gather_pairs(values: jax.Array, indices: jax.Array, axes
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Every worker's k (value, index) pairs over `axes`, concatenated (P*k of each): TopK
+  all-gather's network part, one all-gather."""
+  size = axis_size(axes)
+  both = _pack(values, indices)
+  if both is None:
+    return _all_gather(values, axes, size), _all_gather(indices, axes, size)
+  return _unpack(_all_gather(both, axes, size).reshape(size, 2, -1).transpose(1, 0, 2)
+                 .reshape(2, -1))
+
+
 def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
-  size = axis_size(axes)
-  all_v, all_i = _all_gather(values, axes, size), _all_gather(indices, axes, size)
+  return scatter_pairs(*gather_pairs(values, indices, axes), n)
 
+
+def scatter_pairs(all_v: jax.Array, all_i: jax.Array, n: int) -> jax.Array:
+  """The dense length-n sum of (value, index) pairs (a position may repeat); indices outside
+  [0, n) are dropped. TopK all-gather's local part, after `gather_pairs`."""
   def xla(all_v, all_i):  # indices outside [0, n) dropped, negative ones too (as the kernel)
-    return jnp.zeros(n, values.dtype).at[all_i].add(all_v, mode="drop",
-                                                     wrap_negative_indices=False)
+    return jnp.zeros(n, all_v.dtype).at[all_i].add(all_v, mode="drop",
+                                                    wrap_negative_indices=False)
 
-  if values.dtype == jnp.float32 and cpu_kernels.enabled():
+  if all_v.dtype == jnp.float32 and cpu_kernels.enabled():
     # On CPU one kernel: the zeros and the adds, in the order gathered (as XLA's scatter).
     return lax.platform_dependent(all_v, all_i, default=xla,
                                   cpu=lambda v, i: cpu_kernels.scatter_add(v, i, n))
@@ -233,16 +261,29 @@ def _merge_top(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], k
   return values[top], indices[top]
 
 
-def _swap(pairs: tuple[jax.Array, jax.Array], axes, perm: list[tuple[int, int]]
-          ) -> tuple[jax.Array, jax.Array]:
-  """`lax.ppermute` of (values, indices) as ONE collective (the float32 values bitcast beside
-  the int32 indices): half the calls, each with a collective's fixed latency."""
-  values, indices = pairs
-  if values.dtype != jnp.float32:
-    return lax.ppermute(pairs, axes, perm)
-  both = lax.ppermute(jnp.stack([lax.bitcast_convert_type(values, jnp.int32), indices]), axes,
-                      perm)
-  return lax.bitcast_convert_type(both[0], jnp.float32), both[1]
+def _swap(pairs: tuple[jax.Array, jax.Array], axes, d: int, q: int, p: int,
+          rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The pairs of the partner `rank ^ d` (among the first `q` of `p` workers), as one
+  collective of (values, indices) packed together where they pack (`_pack`).
+
+  With `p` even: an all-gather over the groups {s, s ^ d} (the `p - q` extra workers, idle in
+  this round, paired among themselves). Not a `ppermute`, because on XLA:CPU's gloo a swap is
+  half duplex (the two directions of one pair take turns: 2x one direction's time on a
+  link-bound cluster) while a two-worker all-gather overlaps them (about 1.3-1.5x; both
+  measured on the emulated cluster). All-gather groups must have one size and cover every
+  worker, so with `p` odd the swap is a `ppermute`."""
+  both = _pack(*pairs)
+  if p % 2:
+    perm = [(s, s ^ d) for s in range(q)]
+    return lax.ppermute(pairs, axes, perm) if both is None else _unpack(
+        lax.ppermute(both, axes, perm))
+  groups = [[s, s ^ d] for s in range(q) if not s & d] + [[e, e + 1] for e in range(q, p, 2)]
+  upper = (rank & d) != 0  # this worker's place in its group; the partner has the other
+  if both is None:
+    return tuple(jnp.where(upper, g[0], g[1]) for g in
+                 (lax.all_gather(x, axes, axis_index_groups=groups) for x in pairs))
+  got = lax.all_gather(both, axes, axis_index_groups=groups)
+  return _unpack(jnp.where(upper, got[0], got[1]))
 
 
 def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
@@ -257,14 +298,17 @@ def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
   rank = lax.axis_index(axes)
   q = 1 << (p.bit_length() - 1)
   pairs = (values, indices)
-  if p > q:  # fold the extra workers in
-    got = _swap(pairs, axes, [(q + e, e) for e in range(p - q)])
+  if p > q:  # fold the extra workers in (one way: a ppermute)
+    packed = _pack(*pairs)
+    fold = [(q + e, e) for e in range(p - q)]
+    got = (lax.ppermute(pairs, axes, fold) if packed is None
+           else _unpack(lax.ppermute(packed, axes, fold)))
     mine = rank < p - q
     pairs = _merge_top(pairs, (jnp.where(mine, got[0], 0), jnp.where(mine, got[1], length)),
                        k, length)
   d = 1
   while d < q:
-    pairs = _merge_top(pairs, _swap(pairs, axes, [(s, s ^ d) for s in range(q)]), k, length)
+    pairs = _merge_top(pairs, _swap(pairs, axes, d, q, p, rank), k, length)
     d <<= 1
   positions = pairs[1]
   if p > q:  # the extra workers get the result
@@ -273,22 +317,48 @@ def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
   return positions
 
 
+def _candidates_at(values: jax.Array, indices: jax.Array, kept: jax.Array,
+                   positions: jax.Array) -> jax.Array:
+  """The candidates at `positions` (0 at "no pair"), where the candidates are `kept` with this
+  worker's selected `values` put back at their (distinct) `indices`: O(k log k), without
+  writing the whole buffer."""
+  order = jnp.argsort(indices)
+  mine, vals = indices[order], values[order].astype(kept.dtype)
+  at = jnp.clip(jnp.searchsorted(mine, positions), 0, mine.shape[0] - 1)
+  return jnp.where(mine[at] == positions, vals[at],
+                   kept.at[positions].get(mode="fill", fill_value=0))
+
+
+def gtopk_sums(values: jax.Array, indices: jax.Array, kept: jax.Array, length: int,
+               axes: str | tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+  """gTop-k's network part: `(positions, sums)`, the k global positions (`gtopk_positions`)
+  and the exact sum over all workers of their candidates there (one psum of k values).
+  `kept` is this worker's residual after its selection (zero at `indices`)."""
+  positions = gtopk_positions(values, indices, length, axes)
+  return positions, lax.psum(_candidates_at(values, indices, kept, positions), axes)
+
+
+def gtopk_settle(values: jax.Array, indices: jax.Array, kept: Feedback, positions: jax.Array,
+                 sums: jax.Array, length: int, masking: bool) -> tuple[jax.Array, Feedback]:
+  """gTop-k's local part, after `gtopk_sums`: `(total, memory)`, the dense sum (length
+  `length`, `sums` at `positions`) and this worker's memory: its candidates with exactly the
+  global positions zeroed (what a merge dropped, and what it had not selected, stays; nothing
+  is lost or sent twice), the velocity zeroed there too with `masking`."""
+  total = jnp.zeros(length, values.dtype).at[positions].set(sums.astype(values.dtype),
+                                                            mode="drop")
+  residual = kept.residual.at[indices].set(values.astype(kept.residual.dtype),
+                                           unique_indices=True)
+  velocity = kept.velocity
+  if masking and velocity is not None:
+    velocity = velocity.at[positions].set(0, mode="drop")
+  return total, Feedback(residual.at[positions].set(0, mode="drop"), velocity)
+
+
 def _gtopk_reduce(axes: str | tuple[str, ...]) -> Callable[..., tuple[jax.Array, Feedback]]:
-  """gTop-k's exchange after the selection: the global positions (`gtopk_positions`), then the
-  exact sum over all workers of their candidates there (one psum of k values). Each worker's
-  memory becomes its candidates with exactly those positions zeroed: what a merge dropped, and
-  what it had not selected, stays in its residual; nothing is lost or sent twice."""
+  """gTop-k's exchange after the selection: `gtopk_sums` (network), `gtopk_settle` (local)."""
   def reduce(values, indices, kept: Feedback, length: int, masking: bool):
-    positions = gtopk_positions(values, indices, length, axes)
-    candidates = kept.residual.at[indices].set(values.astype(kept.residual.dtype),
-                                               unique_indices=True)
-    sums = lax.psum(candidates.at[positions].get(mode="fill", fill_value=0), axes)
-    total = jnp.zeros(length, values.dtype).at[positions].set(sums.astype(values.dtype),
-                                                              mode="drop")
-    velocity = kept.velocity
-    if masking and velocity is not None:
-      velocity = velocity.at[positions].set(0, mode="drop")
-    return total, Feedback(candidates.at[positions].set(0, mode="drop"), velocity)
+    positions, sums = gtopk_sums(values, indices, kept.residual, length, axes)
+    return gtopk_settle(values, indices, kept, positions, sums, length, masking)
   return reduce
 
 
