@@ -184,7 +184,8 @@ class SparseCollective(NamedTuple):
   reduce: instead of `gather`, for a collective that decides over all workers which positions
     are sent (gTop-k): `(values, indices, kept, len(part), masking) -> (total, kept)`, where
     `kept` is the `Feedback` `feedback_select` returned (the candidates with the selected values
-    zeroed) and the returned one keeps exactly what was not sent.
+    zeroed; its velocity NOT masked: the selection is not what is sent) and the returned one
+    keeps exactly what was not sent, the velocity zeroed where sent with `masking`.
   """
 
   name: str
@@ -267,7 +268,8 @@ def _swap(pairs: tuple[jax.Array, jax.Array], axes, d: int, q: int, p: int,
   collective of (values, indices) packed together where they pack (`_pack`).
 
   With `p` even: an all-gather over the groups {s, s ^ d} (the `p - q` extra workers, idle in
-  this round, paired among themselves). Not a `ppermute`, because on XLA:CPU's gloo a swap is
+  this round, paired among themselves: their exchange is wasted traffic on their own links, the
+  price of all-gather groups of one size). Not a `ppermute`, because on XLA:CPU's gloo a swap is
   half duplex (the two directions of one pair take turns: 2x one direction's time on a
   link-bound cluster) while a two-worker all-gather overlaps them (about 1.3-1.5x; both
   measured on the emulated cluster). All-gather groups must have one size and cover every
@@ -408,7 +410,8 @@ def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
   topk_lib.check_k(part, k)
   check_feedback(residual, part.shape[0], momentum)
   values, indices, kept = feedback_select(part, residual, k, select, momentum=momentum,
-                                          nesterov=nesterov, masking=masking)
+                                          nesterov=nesterov,
+                                          masking=masking and collective.reduce is None)
   return settle(collective, values, indices, kept, part.shape[0], masking)
 
 
@@ -470,8 +473,8 @@ def gtopk_allreduce(x: jax.Array, k: int, *, axes: str | Sequence[str],
   |x + residual|, the pairs are merged by recursive doubling into k positions common to all
   workers, and the workers' candidates at those positions are summed exactly (a psum of k
   values). Traffic per worker grows with log2 P (TopK all-gather's with P). Arguments as
-  `topk_allgather`; with `momentum_masking` the velocity is zeroed where this worker selected
-  and where the group sent.
+  `topk_allgather`; with `momentum_masking` the velocity is zeroed where the group sent (not
+  where this worker selected and a merge dropped: that value is still to be sent).
 
   Returns:
     `(total, new_residual)`: `total` (n,) the sum over all workers at the k global positions
@@ -500,9 +503,10 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
   2(G-1)/G * B, reduce-scatter (G-1)/G * B, all-gather (G-1) * B_piece. A collective whose group
   spans nodes counts as inter-node (XLA's rings are not node-aware), one inside a node as
   intra-node. `k` is per worker for the flat sparse algorithms and per shard for the
-  hierarchical ones. gTop-k: a collective-permute of k pairs per round (log2 Q rounds, Q the
-  largest power of two <= the group), the positions handed back to the P - Q extra workers, and
-  an all-reduce of k values: the bytes of the busiest worker (rank 0).
+  hierarchical ones. gTop-k: k pairs to the partner per round (log2 Q rounds, Q the largest
+  power of two <= the group), the positions handed back to the P - Q extra workers, and an
+  all-reduce of k values: worker 0's bytes (with P even and not a power of two an extra worker
+  sends a little more: the fold's k pairs and the wasted swaps of `_swap`).
 
   Returns:
     `{"inter": bytes, "intra": bytes}`.

@@ -214,9 +214,11 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
       def run(part: jax.Array, feedback: Feedback | None):
         k = max(1, round(level * part_len))
         topk_lib.check_k(part, k)
-        values, indices, kept = feedback_select(part, feedback, k, select, **feedback_args)
-        total, kept = comm.settle(collective, values, indices, kept, part_len,
-                                  feedback_args["masking"])
+        masking = feedback_args["masking"]
+        values, indices, kept = feedback_select(
+            part, feedback, k, select,
+            **{**feedback_args, "masking": masking and collective.reduce is None})
+        total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
         return total, kept if error_feedback else None
       return run
 
