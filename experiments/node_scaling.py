@@ -3,19 +3,23 @@ fitted to experiments/bench_scale.py's measurements, checked on node counts it d
 then projected to GPU clusters.
 
   python experiments/node_scaling.py [--scale experiments/results/bench_scale.json]
-      [--fit-nodes 2,3,4,8] [--out experiments/results/node_scaling.json]
+      [--merge experiments/results/bench_merge.json] [--fit-nodes 2,3,4,8]
+      [--out experiments/results/node_scaling.json]
 
 1. Calibration. The emulated cluster of bench_scale (P nodes of one process, links of the
    measured rate) as a `cost.Cluster`: the link's rate over the bytes' overhead (headers; the
-   interface counters over the payload of the fitted dense and all-gather rows), and four fitted
+   interface counters over the payload of the fitted dense and all-gather rows); a merge's
+   seconds as measured alone on one core (experiments/bench_merge.py), times P / cores (this
+   machine's 2 cores run every node's merge; a real node runs its own); and three fitted
    parameters, least squares on log(predicted / measured) of the exchange medians at
-   `--fit-nodes` (default 2, 3, 4, 8: both kinds of swap): a latency per message (alpha),
+   `--fit-nodes` (default 2, 3, 4, 8: both kinds of swap): a latency per message of the
+   store-and-forward collectives (alpha: an all-gather's ring step, a gTop-k round, the fold;
+   gloo's ring all-reduce pipelines its chunks, so the dense exchange and gTop-k's sums are
+   their bytes at the link's rate),
    gTop-k's pairwise exchange over one direction's time (`swap_factor`: gloo's two-worker
-   all-gather does not fully overlap the two directions; `odd_swap_factor`: with an odd node
-   count the swap is a ppermute, whose directions gloo runs one after the other), and a merge's
-   seconds per candidate pair, times P / cores (this machine's 2 cores run every node's merge; a
-   real node runs its own). Every other node count is held out: predicted, not fitted (target:
-   within 20%).
+   all-gather need not fully overlap the two directions; `odd_swap_factor`: with an odd node
+   count the swap is a ppermute, whose directions gloo runs one after the other). Every other
+   node count is held out: predicted, not fitted (target: within 20%).
 2. Projection with published figures (each with its source in the table): the paper's cluster
    (8 V100 a node, 25 Gbit/s) and H100 nodes of 8 on 25 and 100 Gbit/s, at 16, 128 and 1,024
    nodes, for ResNet-50 (25,557,032 parameters) and BERT-large (335M), fp32 gradients, density
@@ -99,27 +103,30 @@ def link_overhead(rows: list[dict[str, Any]]) -> float:
                            if r["algorithm"] in ("dense", "allgather"))
 
 
-def emulated(params: np.ndarray, nodes: int, meta: dict[str, Any], overhead: float
-             ) -> cost.Cluster:
+def emulated(params: np.ndarray, nodes: int, meta: dict[str, Any], overhead: float,
+             merge: float) -> cost.Cluster:
   """bench_scale's cluster of `nodes` one-process nodes under log-parameters (alpha,
-  swap_factor - 1, odd_swap_factor - 1, merge seconds per pair on a core of its own)."""
-  alpha, swap, odd, merge = np.exp(params)
+  swap_factor - 1, odd_swap_factor - 1); `merge`: seconds per candidate pair on a core of its
+  own."""
+  alpha, swap, odd = np.exp(params)
   return cost.Cluster(nodes=nodes, local=1, inter_Bps=meta["rate_bps"] / 8 / overhead,
                       intra_Bps=math.inf, inter_alpha_s=alpha, intra_alpha_s=0.0, call_s=0.0,
                       select_s=lambda n, k: 0.0, pair_s=0.0, pass_s_per_value=0.0,
                       merge_s_per_pair=merge * max(1.0, nodes / meta["cpus"]),
-                      swap_factor=1.0 + swap, odd_swap_factor=1.0 + odd)
+                      swap_factor=1.0 + swap, odd_swap_factor=1.0 + odd,
+                      allreduce_pipelined=True)
 
 
-def predict(params, row, meta, overhead) -> float:
+def predict(params, row, meta, overhead, merge) -> float:
   n = meta["n_dense"] if row["algorithm"] == "dense" else meta["n"]
   density = 1.0 if row["algorithm"] == "dense" else meta["density"]
   return cost.network_time(row["algorithm"], n, density,
-                           emulated(params, row["nodes"], meta, overhead))
+                           emulated(params, row["nodes"], meta, overhead, merge))
 
 
-def calibrate(scale: dict[str, Any], fit_nodes: tuple[int, ...]) -> dict[str, Any]:
-  """Fits (alpha, swap factors, merge) to the rows at `fit_nodes`, predicts every row."""
+def calibrate(scale: dict[str, Any], merge: float, fit_nodes: tuple[int, ...]
+              ) -> dict[str, Any]:
+  """Fits (alpha, swap factors) to the rows at `fit_nodes`, predicts every row."""
   from scipy.optimize import least_squares
   meta = scale["meta"]
   rows = measured_rows(scale)
@@ -130,16 +137,16 @@ def calibrate(scale: dict[str, Any], fit_nodes: tuple[int, ...]) -> dict[str, An
   overhead = link_overhead(fit)  # from the fitted rows only: held-out rows stay unseen
 
   def residuals(p):
-    return [math.log(predict(p, r, meta, overhead) / r["measured_s"]) for r in fit]
+    return [math.log(predict(p, r, meta, overhead, merge) / r["measured_s"]) for r in fit]
 
-  sol = least_squares(residuals, np.log([1e-3, 0.3, 0.9, 1e-8]), bounds=(
-      np.log([1e-6, 1e-3, 1e-3, 1e-12]), np.log([1.0, 3.0, 3.0, 1e-5])))
+  sol = least_squares(residuals, np.log([1e-3, 0.3, 0.9]), bounds=(
+      np.log([1e-6, 1e-3, 1e-3]), np.log([1.0, 3.0, 3.0])))
   out = []
   for r in rows:
-    pred = predict(sol.x, r, meta, overhead)
+    pred = predict(sol.x, r, meta, overhead, merge)
     out.append({**r, "predicted_s": pred, "error": pred / r["measured_s"] - 1,
                 "held_out": r["nodes"] not in fit_nodes})
-  alpha, swap, odd, merge = np.exp(sol.x)
+  alpha, swap, odd = np.exp(sol.x)
   held = [abs(r["error"]) for r in out if r["held_out"]]
   return {"fit_nodes": list(fit_nodes), "link_overhead": overhead, "log_params": sol.x.tolist(),
           "params": {"alpha_s": alpha, "swap_factor": 1 + swap, "odd_swap_factor": 1 + odd,
@@ -193,9 +200,10 @@ def tables(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any
            f"{m['density']}; measured: {m['command']}, {m['date']})", "",
            f"Fitted to the {', '.join(map(str, cal['fit_nodes']))}-node rows: alpha "
            f"{p['alpha_s'] * 1e3:.2f} ms a message, swap_factor {p['swap_factor']:.2f} "
-           f"(odd node counts {p['odd_swap_factor']:.2f}), merge "
-           f"{p['merge_s_per_pair'] * 1e9:.1f} ns a candidate pair on a core of its own (x P / "
-           f"{m['cpus']} cores here); the link's byte overhead {cal['link_overhead']:.3f}. "
+           f"(odd node counts {p['odd_swap_factor']:.2f}); measured: a merge "
+           f"{p['merge_s_per_pair'] * 1e9:.0f} ns a candidate pair on a core of its own "
+           f"(experiments/bench_merge.py; x P / {m['cpus']} cores here), the link's byte "
+           f"overhead {cal['link_overhead']:.3f}. "
            "Held-out rows: largest |error| "
            + (f"{cal['held_out_max_abs_error']:.0%}." if cal["held_out_max_abs_error"] is not None
               else "none held out."), "",
@@ -242,6 +250,7 @@ def plot(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any],
     print("matplotlib not installed: no plot")
     return
   meta, params = scale["meta"], np.asarray(cal["log_params"])
+  merge = cal["params"]["merge_s_per_pair"]
   fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
   names = {"allgather": "TopK all-gather", "gtopk": "gTop-k", "dense": "dense (measured part)"}
   for i, algorithm in enumerate(MEASURED):
@@ -255,7 +264,7 @@ def plot(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any],
                label=f"{names[algorithm]}: measured")
     grid = list(range(2, max(xs) + 1))
     a.plot(grid, [predict(params, {"algorithm": algorithm, "nodes": p}, meta,
-                          cal["link_overhead"]) for p in grid], color=f"C{i}", lw=1,
+                          cal["link_overhead"], merge) for p in grid], color=f"C{i}", lw=1,
            label=f"{names[algorithm]}: model")
   a.set_xlabel("nodes (one process each)")
   a.set_ylabel("exchange, s")
@@ -286,25 +295,30 @@ def plot(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any],
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--scale", default=os.path.join(HERE, "results", "bench_scale.json"))
+  ap.add_argument("--merge", default=os.path.join(HERE, "results", "bench_merge.json"))
   ap.add_argument("--fit-nodes", default="2,3,4,8")
   ap.add_argument("--out", default=os.path.join(HERE, "results", "node_scaling.json"))
   args = ap.parse_args(argv)
-  if not os.path.exists(args.scale):
-    ap.error(f"--scale {args.scale!r} does not exist: run experiments/bench_scale.py first")
+  for flag, path in (("--scale", args.scale), ("--merge", args.merge)):
+    if not os.path.exists(path):
+      ap.error(f"{flag} {path!r} does not exist: run experiments/bench_{flag[2:]}.py first")
   try:
     fit_nodes = tuple(int(v) for v in args.fit_nodes.split(","))
   except ValueError:
     ap.error(f"--fit-nodes must be node counts such as 2,4,8, got {args.fit_nodes!r}")
   with open(args.scale) as f:
     scale = json.load(f)
+  with open(args.merge) as f:
+    merge = statistics.median(json.load(f)["s_per_pair"])
   try:
-    cal = calibrate(scale, fit_nodes)
+    cal = calibrate(scale, merge, fit_nodes)
   except ValueError as e:
     ap.error(str(e))
   proj = project()
   command = command_line("experiments/node_scaling.py", sys.argv[1:] if argv is None else argv)
   text = tables(cal, proj, scale, command)
   write_results(args.out, {"command": command, "scale_source": portable_path(args.scale),
+                           "merge_source": portable_path(args.merge),
                            "calibration": cal, "projection": proj}, text)
   plot(cal, proj, scale, os.path.splitext(args.out)[0] + ".png")
   print(text)

@@ -58,17 +58,22 @@ class Cluster:
   swap_factor: float = 1.0   # a pairwise exchange's time over one direction's transfer
   odd_swap_factor: float = 1.0  # the same in a group of odd size (comm swaps by ppermute there)
   allreduce_tree: bool = False  # all-reduces may take a tree (NCCL's choice at small sizes)
+  allreduce_pipelined: bool = False  # a ring all-reduce's steps overlap (no per-step latency)
 
 
 def _ring(parts: dict[str, float], cl: Cluster, name: str, group: int, spans: bool,
           steps: int, link_bytes: float, tree_bytes: float | None = None) -> None:
   """Adds a collective over `group` workers to `parts[name]` (nothing over one worker). An
   all-reduce (`tree_bytes`: what a tree puts on a link) takes a tree where the cluster allows
-  and it is faster: 2 log2(G) steps instead of 2(G-1) (NCCL's trees; gloo's rings here)."""
+  and it is faster: 2 log2(G) steps instead of 2(G-1) (NCCL's trees; gloo's rings here); with
+  `allreduce_pipelined` its ring's steps overlap each other (gloo's ring all-reduce sends its
+  chunks in a pipeline: on the emulated cluster its time is its bytes at the link's rate)."""
   if group <= 1:
     return
   bw = cl.inter_Bps if spans else cl.intra_Bps
   alpha = cl.inter_alpha_s if spans else cl.intra_alpha_s
+  if tree_bytes is not None and cl.allreduce_pipelined:
+    alpha = 0.0
   seconds = steps * alpha + link_bytes / bw
   if cl.allreduce_tree and tree_bytes is not None:
     seconds = min(seconds, 2 * math.ceil(math.log2(group)) * alpha + tree_bytes / bw)
