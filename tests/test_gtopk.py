@@ -60,8 +60,9 @@ def np_exchange(accs, k, n):
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_gtopk_equals_numpy(rng, workers):
-  n, k = 1009, 23
+@pytest.mark.parametrize("k", [23, 211])  # merges by sort; by a dense buffer (2k >= n / 16)
+def test_gtopk_equals_numpy(rng, workers, k):
+  n = 1009
   x = rng.standard_normal((workers, n)).astype(np.float32)
   res = rng.standard_normal((workers, n)).astype(np.float32)
   # correlated workers (a shared part), as gradients of one model are: merges find overlaps
