@@ -94,6 +94,10 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                  "compression.density": 0.001,
                                  "compression.momentum_correction": True,
                                  "compression.momentum_masking": False}),
+    # a diagnostic: gTop-k keeping as many positions as HiTopKComm 0.01 can send on 2 nodes
+    "higtopk-0.02-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.02,
+                                "compression.momentum_correction": True,
+                                "compression.momentum_masking": False}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }

@@ -204,17 +204,21 @@ def settle(collective: SparseCollective, values: jax.Array, indices: jax.Array,
   return collective.reduce(values, indices, kept, length, masking)
 
 
+def _whole(names: str | tuple[str, ...], what: str) -> Callable[[jax.Array], jax.Array]:
+  """The flat algorithms' scatter: the worker's whole buffer, checked (1-D, axes bound)."""
+  def scatter(x: jax.Array) -> jax.Array:
+    _check_1d(x, what)
+    axis_size(names)
+    return x
+  return scatter
+
+
 def sparse_allgather(axes: str | Sequence[str]) -> SparseCollective:
   """TopK all-gather's collective: every worker's (value, index) pairs to every other worker
   over `axes`, scatter-added into a dense buffer."""
   names = axes if isinstance(axes, str) else tuple(axes)
-
-  def scatter(x: jax.Array) -> jax.Array:
-    _check_1d(x, "topk_allgather")
-    axis_size(names)
-    return x
-
-  return SparseCollective("allgather", (names,) if isinstance(names, str) else names, scatter,
+  return SparseCollective("allgather", (names,) if isinstance(names, str) else names,
+                          _whole(names, "topk_allgather"),
                           lambda values, indices, n: _gather_sum(values, indices, n, names))
 
 
@@ -252,7 +256,7 @@ def _merge_top(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], k
   not depend on the order of `a` and `b` (both partners of a merge compute the same bits).
 
   Two ways, chosen by size: a sort of the 2k pairs by index (duplicates side by side) and a
-  top-k of the 2k; or, where 2k is a sixteenth of `length` or more (the density warm-up's high
+  top-k of the 2k; or, where k is a thirty-second of `length` or more (the density warm-up's high
   levels), the pairs added into a dense buffer and MSTopK over it: one pass over `length`
   values instead of a comparison sort of 2k (XLA:CPU's sort of 930K pairs took a second)."""
   if 32 * k >= length:
@@ -331,7 +335,11 @@ def _candidates_at(values: jax.Array, indices: jax.Array, kept: jax.Array,
                    positions: jax.Array) -> jax.Array:
   """The candidates at `positions` (0 at "no pair"), where the candidates are `kept` with this
   worker's selected `values` put back at their (distinct) `indices`: O(k log k), without
-  writing the whole buffer."""
+  writing the whole buffer; where k is a thirty-second of the buffer or more (as `_merge_top`),
+  the buffer written once instead of a comparison sort of k."""
+  if 32 * indices.shape[0] >= kept.shape[0]:
+    whole = kept.at[indices].set(values.astype(kept.dtype), unique_indices=True)
+    return whole.at[positions].get(mode="fill", fill_value=0)
   order = jnp.argsort(indices)
   mine, vals = indices[order], values[order].astype(kept.dtype)
   at = jnp.clip(jnp.searchsorted(mine, positions), 0, mine.shape[0] - 1)
@@ -377,14 +385,8 @@ def sparse_gtopk(axes: str | Sequence[str]) -> SparseCollective:
   pairs, `gtopk_positions` merges them into k global positions, and the sum over all workers
   at those positions is exchanged exactly (`_gtopk_reduce`)."""
   names = axes if isinstance(axes, str) else tuple(axes)
-
-  def scatter(x: jax.Array) -> jax.Array:
-    _check_1d(x, "gtopk_allreduce")
-    axis_size(names)
-    return x
-
-  return SparseCollective("gtopk", (names,) if isinstance(names, str) else names, scatter,
-                          None, _gtopk_reduce(names))
+  return SparseCollective("gtopk", (names,) if isinstance(names, str) else names,
+                          _whole(names, "gtopk_allreduce"), None, _gtopk_reduce(names))
 
 
 def sparse_higtopk(node_axis: str, local_axis: str) -> SparseCollective:
