@@ -256,14 +256,14 @@ def torch_worker(args) -> None:
 
 def launch_workers(c, script: str, argv: list[str], *, mode: str, procs_per_node: int,
                    devices_per_proc: int, log, what: str, torch: bool = False) -> list[dict]:
-  """Runs `script --mode MODE ... --worker-out F` as NODES x `procs_per_node` processes on the
-  emulated cluster `c` (torch workers, mode "torch" or `torch=True`, talk gloo over the node's
-  link, eth0); returns the rows the rank-0 worker wrote to F."""
+  """Runs `script --mode MODE ... --worker-out F` as `c.nodes` x `procs_per_node` processes on
+  the emulated cluster `c` (torch workers, mode "torch" or `torch=True`, talk gloo over the
+  node's link, eth0); returns the rows the rank-0 worker wrote to F."""
   from sparsejax import cluster
   with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
     path = f.name
   try:
-    rc = cluster.launch(["--mode", mode, *argv, "--worker-out", path], nodes=NODES,
+    rc = cluster.launch(["--mode", mode, *argv, "--worker-out", path], nodes=c.nodes,
                         procs_per_node=procs_per_node, devices_per_proc=devices_per_proc,
                         cluster=c, program=[sys.executable, os.path.abspath(script)],
                         init_timeout_s=120, out=log,

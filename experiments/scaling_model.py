@@ -45,7 +45,6 @@ and a PNG plot.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -64,66 +63,15 @@ from experiments.results_io import (  # noqa: E402
     portable_path,
     resolve,
     write_results,
-)  # noqa: E402
+)
+from sparsejax import cost  # noqa: E402
 
 RESNET50 = 25_557_032
-PAIR_BYTES = 8     # float32 value + int32 index
-VALUE_BYTES = 4
+PAIR_BYTES, VALUE_BYTES = cost.PAIR_BYTES, cost.VALUE_BYTES
 
 
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-  """What the model needs to know about a cluster (bandwidths in bytes/s per direction)."""
-  nodes: int
-  local: int                 # workers per node
-  inter_Bps: float           # a node's network link
-  intra_Bps: float           # between workers of a node
-  inter_alpha_s: float       # latency per ring step across nodes
-  intra_alpha_s: float       # latency per ring step inside a node
-  call_s: float              # fixed cost per collective call (dispatch, synchronisation)
-  select_s: Callable[[float, int], float]  # MSTopK's seconds for (values searched, k)
-  pair_s: float              # per (value, index) pair scatter-added
-  pass_s_per_value: float    # one elementwise pass (read + write) over a float32 buffer
-
-
-def exchange_time(algorithm: str, n: int, density: float, cl: Cluster) -> dict[str, float]:
-  """Seconds per gradient exchange of `n` float32 values, by part."""
-  N, G = cl.nodes, cl.local
-  P = N * G
-  S = n * VALUE_BYTES
-  parts: dict[str, float] = {}
-
-  def ring(name: str, group: int, spans: bool, steps: int, link_bytes: float) -> None:
-    if group <= 1:
-      return
-    bw = cl.inter_Bps if spans else cl.intra_Bps
-    alpha = cl.inter_alpha_s if spans else cl.intra_alpha_s
-    parts[name] = parts.get(name, 0.0) + cl.call_s + steps * alpha + link_bytes / bw
-
-  if algorithm == "dense":
-    ring("allreduce", P, N > 1, 2 * (P - 1), 2 * (P - 1) / P * S)
-  elif algorithm == "hierarchical":
-    ring("intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
-    ring("inter_allreduce", N, True, 2 * (N - 1), G * 2 * (N - 1) / N * S / G)
-    ring("intra_allgather", G, False, G - 1, (G - 1) / G * S)
-  elif algorithm == "allgather":
-    k = max(1, round(density * n))
-    parts["select"] = cl.select_s(n, k)
-    ring("allgather", P, N > 1, P - 1, (P - 1) * k * PAIR_BYTES)
-    # residual add, zero fill, residual update; P * k pairs scatter-added
-    parts["passes"] = 3 * cl.pass_s_per_value * n + cl.pair_s * P * k
-  elif algorithm == "hitopk":
-    shard = n / G
-    k = max(1, round(density * shard))
-    ring("intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
-    parts["select"] = cl.select_s(shard, k)
-    ring("inter_allgather", N, True, N - 1, G * (N - 1) * k * PAIR_BYTES)
-    parts["passes"] = 3 * cl.pass_s_per_value * shard + cl.pair_s * N * k
-    ring("intra_allgather", G, False, G - 1, (G - 1) / G * S)
-  else:
-    raise ValueError(f"unknown algorithm {algorithm!r}")
-  parts["total"] = sum(parts.values())
-  return parts
+# The model itself lives in the library (`sparsejax.cost`): one model for every study.
+Cluster, exchange_time = cost.Cluster, cost.exchange_time
 
 
 # --- 1. calibration on the emulated cluster -------------------------------------------------

@@ -85,6 +85,19 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "hitopk-0.001-mc": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001,
                                 "compression.momentum_correction": True,
                                 "compression.momentum_masking": False}),
+    # HiTopKComm with gTop-k between the nodes (experiments/bench_scale.py): k global positions
+    # a step, their exact sums, instead of every node's k pairs
+    "higtopk-0.01-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.01,
+                                "compression.momentum_correction": True,
+                                "compression.momentum_masking": False}),
+    "higtopk-0.001-mc": ("jax", {"compression.algorithm": "higtopk",
+                                 "compression.density": 0.001,
+                                 "compression.momentum_correction": True,
+                                 "compression.momentum_masking": False}),
+    # a diagnostic: gTop-k keeping as many positions as HiTopKComm 0.01 can send on 2 nodes
+    "higtopk-0.02-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.02,
+                                "compression.momentum_correction": True,
+                                "compression.momentum_masking": False}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }

@@ -6,7 +6,7 @@ sparsejax` does not import grain, TFDS or flax).
 
 import importlib
 
-from sparsejax import accumulate, comm, compress, feedback, finite, flat, hlo, optim, topk
+from sparsejax import accumulate, comm, compress, cost, feedback, finite, flat, hlo, optim, topk
 from sparsejax.accumulate import multi_steps
 from sparsejax.compress import dense_mean, hierarchical_mean, topk_allreduce
 from sparsejax.finite import apply_if_finite_across
@@ -16,7 +16,8 @@ from sparsejax.topk import exact_topk, mstopk, sampled_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["accumulate", "comm", "compress", "feedback", "finite", "flat", "hlo", "optim", "topk",
+__all__ = ["accumulate", "comm", "compress", "cost", "feedback", "finite", "flat", "hlo", "optim",
+           "topk",
            "FlatLayout", "topk_allreduce", "dense_mean", "hierarchical_mean",
            "apply_if_finite_across", "multi_steps", "mstopk",
            "exact_topk", "sampled_topk", "fused_sgd", "fused_lars", "fused_lamb", "fused_adamw"]

@@ -5,16 +5,22 @@ code binds them (`pmap(axis_name="batch")`, a 1-D `("data",)` mesh, or several m
 hierarchical ones take two: a slow `node` axis (the network between machines) and a fast `local`
 axis (links inside a machine). Every function takes axis names, never devices, and returns the SUM
 over all workers, identical on every worker. The sparse ones are also given in two halves around
-the selection (`SparseCollective`: `sparse_allgather`, `sparse_hitopk`), so that selection and
-error feedback (`sparsejax.feedback`) stay separate pieces; `topk_allgather` and
-`hitopk_allreduce` compose them with `feedback_select` and also return what was not sent (a
-`Feedback`).
+the selection (`SparseCollective`: `sparse_allgather`, `sparse_hitopk`, `sparse_gtopk`,
+`sparse_higtopk`), so that selection and error feedback (`sparsejax.feedback`) stay separate
+pieces; `topk_allgather`, `hitopk_allreduce`, `gtopk_allreduce` and `higtopk_allreduce` compose
+them with `feedback_select` and also return what was not sent (a `Feedback`).
 
   dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
   hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
-  topk_allgather           select k, all-gather (values, indices) over all axes, scatter-add
+  topk_allgather           select k, all-gather (values, indices) over all axes, scatter-add:
+                           each worker receives 2k(P-1) values
   hitopk_allreduce         HiTopKComm: reduce-scatter local, select k of the shard, all-gather the
                            pairs over node (the only inter-node traffic), all-gather local
+  gtopk_allreduce          gTop-k: select k, merge the pairs by recursive doubling (log2 P rounds
+                           of k pairs, each keeping the k largest sums) into one global set of k
+                           positions, then the exact sum over all workers at those positions (a
+                           psum of k values): about 2k log2 P + 2k values per worker
+  higtopk_allreduce        HiTopKComm with gTop-k between the nodes
 """
 
 from __future__ import annotations
@@ -31,12 +37,18 @@ from sparsejax import topk as topk_lib
 from sparsejax.feedback import Feedback, check_feedback, feedback_select
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "sparse_allgather",
-           "sparse_hitopk", "topk_allgather", "hitopk_allreduce", "wire_bytes", "axis_size",
-           "axis_names", "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
+           "sparse_hitopk", "sparse_gtopk", "sparse_higtopk", "sparse_collective",
+           "topk_allgather",
+           "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
+           "gtopk_sums", "gtopk_settle", "gather_pairs", "scatter_pairs",
+           "settle", "wire_bytes", "axis_size", "axis_names", "ALGORITHMS", "SPARSE_ALGORITHMS",
+           "HIERARCHICAL_ALGORITHMS"]
 
-ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk")
-SPARSE_ALGORITHMS = ("allgather", "hitopk")  # the ones that select top-k (and keep a residual)
-HIERARCHICAL_ALGORITHMS = ("hierarchical", "hitopk")  # the ones over two axes (slow, fast)
+ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk", "gtopk", "higtopk")
+# the ones that select top-k (and keep a residual)
+SPARSE_ALGORITHMS = ("allgather", "hitopk", "gtopk", "higtopk")
+# the ones over two axes (slow, fast)
+HIERARCHICAL_ALGORITHMS = ("hierarchical", "hitopk", "higtopk")
 
 
 def axis_names(algorithm: str, axes: str | Sequence[str]) -> tuple[str, ...]:
@@ -116,16 +128,43 @@ def _all_gather(x: jax.Array, axis: str | tuple[str, ...], size: int) -> jax.Arr
   return x if size == 1 else lax.all_gather(x, axis, axis=0, tiled=True)
 
 
+def _pack(values: jax.Array, indices: jax.Array) -> jax.Array | None:
+  """(values, indices) as one int32[2, k] buffer (float32 values bitcast), so that a pair set
+  moves in ONE collective (each has a fixed latency); None for other value dtypes."""
+  if values.dtype != jnp.float32 or indices.dtype != jnp.int32:
+    return None
+  return jnp.stack([lax.bitcast_convert_type(values, jnp.int32), indices])
+
+
+def _unpack(both: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return lax.bitcast_convert_type(both[0], jnp.float32), both[1]
+
+
+def gather_pairs(values: jax.Array, indices: jax.Array, axes
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Every worker's k (value, index) pairs over `axes`, concatenated (P*k of each): TopK
+  all-gather's network part, one all-gather."""
+  size = axis_size(axes)
+  both = _pack(values, indices)
+  if both is None:
+    return _all_gather(values, axes, size), _all_gather(indices, axes, size)
+  return _unpack(_all_gather(both, axes, size).reshape(size, 2, -1).transpose(1, 0, 2)
+                 .reshape(2, -1))
+
+
 def _gather_sum(values, indices, n: int, axes) -> jax.Array:
   """Dense length-n sum of every worker's (values, indices) pairs gathered over `axes`."""
-  size = axis_size(axes)
-  all_v, all_i = _all_gather(values, axes, size), _all_gather(indices, axes, size)
+  return scatter_pairs(*gather_pairs(values, indices, axes), n)
 
+
+def scatter_pairs(all_v: jax.Array, all_i: jax.Array, n: int) -> jax.Array:
+  """The dense length-n sum of (value, index) pairs (a position may repeat); indices outside
+  [0, n) are dropped. TopK all-gather's local part, after `gather_pairs`."""
   def xla(all_v, all_i):  # indices outside [0, n) dropped, negative ones too (as the kernel)
-    return jnp.zeros(n, values.dtype).at[all_i].add(all_v, mode="drop",
-                                                     wrap_negative_indices=False)
+    return jnp.zeros(n, all_v.dtype).at[all_i].add(all_v, mode="drop",
+                                                    wrap_negative_indices=False)
 
-  if values.dtype == jnp.float32 and cpu_kernels.enabled():
+  if all_v.dtype == jnp.float32 and cpu_kernels.enabled():
     # On CPU one kernel: the zeros and the adds, in the order gathered (as XLA's scatter).
     return lax.platform_dependent(all_v, all_i, default=xla,
                                   cpu=lambda v, i: cpu_kernels.scatter_add(v, i, n))
@@ -134,34 +173,65 @@ def _gather_sum(values, indices, n: int, axes) -> jax.Array:
 
 class SparseCollective(NamedTuple):
   """A sparse collective, cut around the selection so that selection and error feedback are
-  separate pieces (see `sparsejax.compress.topk_allreduce`).
+  separate pieces (see `sparsejax.compress.topk_allreduce`; `settle` runs the second half).
 
-  name: the algorithm ("allgather", "hitopk"; what `wire_bytes` counts).
+  name: the algorithm (one of SPARSE_ALGORITHMS; what `wire_bytes` counts).
   axes: the axis names it runs over (the last one is the axis the buffer is padded for).
-  scatter: `x (n,) -> part`: what this worker selects from (x itself for TopK all-gather, this
-    worker's shard of its node's sum for HiTopKComm).
+  scatter: `x (n,) -> part`: what this worker selects from (x itself for the flat algorithms,
+    this worker's shard of its node's sum for the hierarchical ones).
   gather: `(values, indices, len(part)) -> total (n,)`: the SUM over all workers of every
-    worker's pairs, identical on every worker.
+    worker's pairs, identical on every worker; what a worker selected is what it sent.
+  reduce: instead of `gather`, for a collective that decides over all workers which positions
+    are sent (gTop-k): `(values, indices, kept, len(part), masking) -> (total, kept)`, where
+    `kept` is the `Feedback` `feedback_select` returned (the candidates with the selected values
+    zeroed; its velocity NOT masked: the selection is not what is sent) and the returned one
+    keeps exactly what was not sent, the velocity zeroed where sent with `masking`.
   """
 
   name: str
   axes: tuple[str, ...]
   scatter: Callable[[jax.Array], jax.Array]
-  gather: Callable[[jax.Array, jax.Array, int], jax.Array]
+  gather: Callable[[jax.Array, jax.Array, int], jax.Array] | None
+  reduce: Callable[..., tuple[jax.Array, Feedback]] | None = None
+
+
+def settle(collective: SparseCollective, values: jax.Array, indices: jax.Array,
+           kept: Feedback, length: int, masking: bool) -> tuple[jax.Array, Feedback]:
+  """The exchange after the selection: `(total, kept)`, the sum over all workers of what was
+  sent and this worker's memory of what it did not send."""
+  if collective.reduce is None:
+    return collective.gather(values, indices, length), kept
+  return collective.reduce(values, indices, kept, length, masking)
+
+
+def _whole(names: str | tuple[str, ...], what: str) -> Callable[[jax.Array], jax.Array]:
+  """The flat algorithms' scatter: the worker's whole buffer, checked (1-D, axes bound)."""
+  def scatter(x: jax.Array) -> jax.Array:
+    _check_1d(x, what)
+    axis_size(names)
+    return x
+  return scatter
 
 
 def sparse_allgather(axes: str | Sequence[str]) -> SparseCollective:
   """TopK all-gather's collective: every worker's (value, index) pairs to every other worker
   over `axes`, scatter-added into a dense buffer."""
   names = axes if isinstance(axes, str) else tuple(axes)
-
-  def scatter(x: jax.Array) -> jax.Array:
-    _check_1d(x, "topk_allgather")
-    axis_size(names)
-    return x
-
-  return SparseCollective("allgather", (names,) if isinstance(names, str) else names, scatter,
+  return SparseCollective("allgather", (names,) if isinstance(names, str) else names,
+                          _whole(names, "topk_allgather"),
                           lambda values, indices, n: _gather_sum(values, indices, n, names))
+
+
+def _node_shard(node_axis: str, local_axis: str, what: str) -> Callable[[jax.Array], jax.Array]:
+  """The hierarchical algorithms' scatter: this worker's shard of its node's sum (n/M values),
+  by a reduce-scatter over `local_axis`."""
+  def scatter(x: jax.Array) -> jax.Array:
+    n = _check_1d(x, what)
+    m = axis_size(local_axis)
+    axis_size(node_axis)
+    _check_divisible(n, m, local_axis)
+    return _reduce_scatter(x, local_axis, m)
+  return scatter
 
 
 def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
@@ -169,18 +239,178 @@ def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
   shard i of its node's sum, length n/M), then the shard's pairs all-gathered over `node_axis`
   (the only inter-node traffic: k pairs instead of n/M values) and scatter-added, and the shards
   all-gathered over `local_axis`."""
-  def scatter(x: jax.Array) -> jax.Array:
-    n = _check_1d(x, "hitopk_allreduce")
-    m = axis_size(local_axis)
-    axis_size(node_axis)
-    _check_divisible(n, m, local_axis)
-    return _reduce_scatter(x, local_axis, m)
-
   def gather(values: jax.Array, indices: jax.Array, length: int) -> jax.Array:
     shard_total = _gather_sum(values, indices, length, node_axis)
     return _all_gather(shard_total, local_axis, axis_size(local_axis))
 
-  return SparseCollective("hitopk", (node_axis, local_axis), scatter, gather)
+  return SparseCollective("hitopk", (node_axis, local_axis),
+                          _node_shard(node_axis, local_axis, "hitopk_allreduce"), gather)
+
+
+# ----------------------------------------------------------------------------- gTop-k
+
+def _merge_top(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], k: int,
+               length: int) -> tuple[jax.Array, jax.Array]:
+  """The k pairs of largest |value| among two sets of (value, index) pairs, a position in both
+  taking the sum of its two values. Index `length` marks "no pair" (value 0). The result does
+  not depend on the order of `a` and `b` (both partners of a merge compute the same bits).
+
+  Two ways, chosen by size: a sort of the 2k pairs by index (duplicates side by side) and a
+  top-k of the 2k; or, where k is a thirty-second of `length` or more (the density warm-up's high
+  levels), the pairs added into a dense buffer and MSTopK over it: one pass over `length`
+  values instead of a comparison sort of 2k (XLA:CPU's sort of 930K pairs took a second)."""
+  if 32 * k >= length:
+    dense = jnp.zeros(length + 1, a[0].dtype).at[a[1]].add(a[0]).at[b[1]].add(b[0])[:length]
+    return topk_lib.mstopk(dense, k)
+  indices, values = lax.sort((jnp.concatenate([a[1], b[1]]), jnp.concatenate([a[0], b[0]])),
+                             num_keys=1)
+  same_next = jnp.concatenate([indices[1:] == indices[:-1], jnp.zeros(1, bool)])
+  same_prev = jnp.concatenate([jnp.zeros(1, bool), indices[1:] == indices[:-1]])
+  # a position in both sets: the first copy takes the sum, the second becomes "no pair"
+  values = jnp.where(same_prev, jnp.zeros_like(values),
+                     values + jnp.where(same_next, jnp.roll(values, -1), jnp.zeros_like(values)))
+  indices = jnp.where(same_prev, length, indices)
+  _, top = lax.top_k(jnp.abs(values), k)
+  return values[top], indices[top]
+
+
+def _swap(pairs: tuple[jax.Array, jax.Array], axes, d: int, q: int, p: int,
+          rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The pairs of the partner `rank ^ d` (among the first `q` of `p` workers), as one
+  collective of (values, indices) packed together where they pack (`_pack`).
+
+  With `p` even: an all-gather over the groups {s, s ^ d} (the `p - q` extra workers, idle in
+  this round, paired among themselves: their exchange is wasted traffic on their own links, the
+  price of all-gather groups of one size). Not a `ppermute`, because on XLA:CPU's gloo a swap is
+  half duplex (the two directions of one pair take turns: 2x one direction's time on a
+  link-bound cluster) while a two-worker all-gather overlaps them (about 1.3-1.5x; both
+  measured on the emulated cluster). All-gather groups must have one size and cover every
+  worker, so with `p` odd the swap is a `ppermute`."""
+  both = _pack(*pairs)
+  if p % 2:
+    perm = [(s, s ^ d) for s in range(q)]
+    return lax.ppermute(pairs, axes, perm) if both is None else _unpack(
+        lax.ppermute(both, axes, perm))
+  groups = [[s, s ^ d] for s in range(q) if not s & d] + [[e, e + 1] for e in range(q, p, 2)]
+  upper = (rank & d) != 0  # this worker's place in its group; the partner has the other
+  if both is None:
+    return tuple(jnp.where(upper, g[0], g[1]) for g in
+                 (lax.all_gather(x, axes, axis_index_groups=groups) for x in pairs))
+  got = lax.all_gather(both, axes, axis_index_groups=groups)
+  return _unpack(jnp.where(upper, got[0], got[1]))
+
+
+def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
+                    axes: str | tuple[str, ...]) -> jax.Array:
+  """gTop-k's global selection (Shi et al., ICDCS 2019): int32[k] positions, the same on every
+  worker of `axes`, from each worker's k (value, index) pairs, by recursive doubling: in round r
+  each worker swaps its current k pairs with the worker 2^r away and keeps the k largest sums
+  (`_merge_top`), log2(P) rounds of k pairs. With P not a power of two, the P - Q workers past
+  the largest power of two Q first hand their pairs to worker i - Q and get the result back.
+  Index `length` marks a slot with no position (fewer than k distinct ones)."""
+  p, k = axis_size(axes), values.shape[0]
+  rank = lax.axis_index(axes)
+  q = 1 << (p.bit_length() - 1)
+  pairs = (values, indices)
+  if p > q:  # fold the extra workers in (one way: a ppermute)
+    packed = _pack(*pairs)
+    fold = [(q + e, e) for e in range(p - q)]
+    got = (lax.ppermute(pairs, axes, fold) if packed is None
+           else _unpack(lax.ppermute(packed, axes, fold)))
+    mine = rank < p - q
+    pairs = _merge_top(pairs, (jnp.where(mine, got[0], 0), jnp.where(mine, got[1], length)),
+                       k, length)
+  d = 1
+  while d < q:
+    pairs = _merge_top(pairs, _swap(pairs, axes, d, q, p, rank), k, length)
+    d <<= 1
+  positions = pairs[1]
+  if p > q:  # the extra workers get the result
+    got = lax.ppermute(positions, axes, [(e, q + e) for e in range(p - q)])
+    positions = jnp.where(rank >= q, got, positions)
+  return positions
+
+
+def _candidates_at(values: jax.Array, indices: jax.Array, kept: jax.Array,
+                   positions: jax.Array) -> jax.Array:
+  """The candidates at `positions` (0 at "no pair"), where the candidates are `kept` with this
+  worker's selected `values` put back at their (distinct) `indices`: O(k log k), without
+  writing the whole buffer; where k is a thirty-second of the buffer or more (as `_merge_top`),
+  the buffer written once instead of a comparison sort of k."""
+  if 32 * indices.shape[0] >= kept.shape[0]:
+    whole = kept.at[indices].set(values.astype(kept.dtype), unique_indices=True)
+    return whole.at[positions].get(mode="fill", fill_value=0)
+  order = jnp.argsort(indices)
+  mine, vals = indices[order], values[order].astype(kept.dtype)
+  at = jnp.clip(jnp.searchsorted(mine, positions), 0, mine.shape[0] - 1)
+  return jnp.where(mine[at] == positions, vals[at],
+                   kept.at[positions].get(mode="fill", fill_value=0))
+
+
+def gtopk_sums(values: jax.Array, indices: jax.Array, kept: jax.Array, length: int,
+               axes: str | tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+  """gTop-k's network part: `(positions, sums)`, the k global positions (`gtopk_positions`)
+  and the exact sum over all workers of their candidates there (one psum of k values).
+  `kept` is this worker's residual after its selection (zero at `indices`)."""
+  positions = gtopk_positions(values, indices, length, axes)
+  return positions, lax.psum(_candidates_at(values, indices, kept, positions), axes)
+
+
+def gtopk_settle(values: jax.Array, indices: jax.Array, kept: Feedback, positions: jax.Array,
+                 sums: jax.Array, length: int, masking: bool) -> tuple[jax.Array, Feedback]:
+  """gTop-k's local part, after `gtopk_sums`: `(total, memory)`, the dense sum (length
+  `length`, `sums` at `positions`) and this worker's memory: its candidates with exactly the
+  global positions zeroed (what a merge dropped, and what it had not selected, stays; nothing
+  is lost or sent twice), the velocity zeroed there too with `masking`."""
+  total = jnp.zeros(length, values.dtype).at[positions].set(sums.astype(values.dtype),
+                                                            mode="drop")
+  residual = kept.residual.at[indices].set(values.astype(kept.residual.dtype),
+                                           unique_indices=True)
+  velocity = kept.velocity
+  if masking and velocity is not None:
+    velocity = velocity.at[positions].set(0, mode="drop")
+  return total, Feedback(residual.at[positions].set(0, mode="drop"), velocity)
+
+
+def _gtopk_reduce(axes: str | tuple[str, ...]) -> Callable[..., tuple[jax.Array, Feedback]]:
+  """gTop-k's exchange after the selection: `gtopk_sums` (network), `gtopk_settle` (local)."""
+  def reduce(values, indices, kept: Feedback, length: int, masking: bool):
+    positions, sums = gtopk_sums(values, indices, kept.residual, length, axes)
+    return gtopk_settle(values, indices, kept, positions, sums, length, masking)
+  return reduce
+
+
+def sparse_gtopk(axes: str | Sequence[str]) -> SparseCollective:
+  """gTop-k's collective over `axes` (any axis or tuple of axes): every worker offers its k
+  pairs, `gtopk_positions` merges them into k global positions, and the sum over all workers
+  at those positions is exchanged exactly (`_gtopk_reduce`)."""
+  names = axes if isinstance(axes, str) else tuple(axes)
+  return SparseCollective("gtopk", (names,) if isinstance(names, str) else names,
+                          _whole(names, "gtopk_allreduce"), None, _gtopk_reduce(names))
+
+
+def sparse_higtopk(node_axis: str, local_axis: str) -> SparseCollective:
+  """HiTopKComm with gTop-k between the nodes: reduce-scatter inside a node, gTop-k of the
+  shard's pairs over `node_axis` (about 2k log2 N + 2k values per worker instead of HiTopKComm's
+  2k(N-1)), all-gather of the shards over `local_axis`."""
+  inter = _gtopk_reduce(node_axis)
+
+  def reduce(values, indices, kept: Feedback, length: int, masking: bool):
+    shard_total, kept = inter(values, indices, kept, length, masking)
+    return _all_gather(shard_total, local_axis, axis_size(local_axis)), kept
+
+  return SparseCollective("higtopk", (node_axis, local_axis),
+                          _node_shard(node_axis, local_axis, "higtopk_allreduce"), None, reduce)
+
+
+def sparse_collective(algorithm: str, axes: str | Sequence[str]) -> SparseCollective:
+  """The `SparseCollective` of a sparse algorithm over its axes (checked by `axis_names`)."""
+  names = axis_names(algorithm, axes)
+  if algorithm not in SPARSE_ALGORITHMS:
+    raise ValueError(f"{algorithm!r} is not a sparse algorithm; allowed: {list(SPARSE_ALGORITHMS)}")
+  return {"allgather": lambda: sparse_allgather(names), "gtopk": lambda: sparse_gtopk(names),
+          "hitopk": lambda: sparse_hitopk(*names), "higtopk": lambda: sparse_higtopk(*names)
+          }[algorithm]()
 
 
 def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
@@ -189,9 +419,10 @@ def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
   part = collective.scatter(x)
   topk_lib.check_k(part, k)
   check_feedback(residual, part.shape[0], momentum)
-  values, indices, new_residual = feedback_select(part, residual, k, select, momentum=momentum,
-                                                  nesterov=nesterov, masking=masking)
-  return collective.gather(values, indices, part.shape[0]), new_residual
+  values, indices, kept = feedback_select(part, residual, k, select, momentum=momentum,
+                                          nesterov=nesterov,
+                                          masking=masking and collective.reduce is None)
+  return settle(collective, values, indices, kept, part.shape[0], masking)
 
 
 def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
@@ -244,6 +475,36 @@ def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
                            momentum, nesterov, momentum_masking)
 
 
+def gtopk_allreduce(x: jax.Array, k: int, *, axes: str | Sequence[str],
+                    residual: Feedback | None = None,
+                    select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
+                    momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+  """gTop-k (Shi et al., ICDCS 2019) with exact sums: each worker selects its k largest
+  |x + residual|, the pairs are merged by recursive doubling into k positions common to all
+  workers, and the workers' candidates at those positions are summed exactly (a psum of k
+  values). Traffic per worker grows with log2 P (TopK all-gather's with P). Arguments as
+  `topk_allgather`; with `momentum_masking` the velocity is zeroed where the group sent (not
+  where this worker selected and a merge dropped: that value is still to be sent).
+
+  Returns:
+    `(total, new_residual)`: `total` (n,) the sum over all workers at the k global positions
+    (zero elsewhere), identical on every worker; `new_residual` this worker's candidates with
+    those positions zeroed (what it selected but the merge dropped stays in it).
+  """
+  return _sparse_allreduce(sparse_gtopk(axes), x, k, residual, select, momentum, nesterov,
+                           momentum_masking)
+
+
+def higtopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
+                      residual: Feedback | None = None,
+                      select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
+                      momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+  """HiTopKComm with gTop-k between the nodes (`sparse_higtopk`); arguments and results as
+  `hitopk_allreduce` (k per shard, the residual per shard)."""
+  return _sparse_allreduce(sparse_higtopk(node_axis, local_axis), x, k, residual, select,
+                           momentum, nesterov, momentum_masking)
+
+
 def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
                value_bytes: int = 4, index_bytes: int = 4) -> dict[str, float]:
   """Bytes each worker sends per step over inter-node and intra-node links.
@@ -251,7 +512,11 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
   Ring formulas per collective over a group of G workers and a buffer of B bytes: all-reduce
   2(G-1)/G * B, reduce-scatter (G-1)/G * B, all-gather (G-1) * B_piece. A collective whose group
   spans nodes counts as inter-node (XLA's rings are not node-aware), one inside a node as
-  intra-node. `k` is per worker for "allgather" and per shard for "hitopk".
+  intra-node. `k` is per worker for the flat sparse algorithms and per shard for the
+  hierarchical ones. gTop-k: k pairs to the partner per round (log2 Q rounds, Q the largest
+  power of two <= the group), the positions handed back to the P - Q extra workers, and an
+  all-reduce of k values: worker 0's bytes (with P even and not a power of two an extra worker
+  sends a little more: the fold's k pairs and the wasted swaps of `_swap`).
 
   Returns:
     `{"inter": bytes, "intra": bytes}`.
@@ -275,8 +540,28 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
     add(local, False, (local - 1) / local * n * value_bytes)
   elif algorithm == "allgather":
     add(p, nodes > 1, (p - 1) * k * pair)
-  else:  # hitopk
+  elif algorithm == "gtopk":
+    _gtopk_bytes(add, p, local, k, value_bytes, index_bytes)
+  else:  # hitopk, higtopk
     add(local, False, (local - 1) / local * n * value_bytes)
-    add(nodes, True, (nodes - 1) * k * pair)
+    if algorithm == "hitopk":
+      add(nodes, True, (nodes - 1) * k * pair)
+    else:  # a gTop-k group per shard, over the nodes: every step crosses them
+      _gtopk_bytes(add, nodes, 1, k, value_bytes, index_bytes)
     add(local, False, (local - 1) / local * n * value_bytes)
   return out
+
+
+def _gtopk_bytes(add: Callable[[int, bool, float], None], p: int, local: int, k: int,
+                 value_bytes: int, index_bytes: int) -> None:
+  """Bytes worker 0 of a gTop-k group of `p` (node-major, `local` per node) sends: a round's k
+  pairs to worker d = 1, 2, 4, ... < Q (Q the largest power of two <= p; inter-node once
+  d >= local), k indices to worker Q if p > Q, its share of the ring all-reduce of k values."""
+  q = 1 << (p.bit_length() - 1)
+  d = 1
+  while d < q:
+    add(2, d >= local, k * (value_bytes + index_bytes))
+    d <<= 1
+  if p > q:
+    add(2, q >= local, k * index_bytes)
+  add(p, p > local, 2 * (p - 1) / p * k * value_bytes)

@@ -2,7 +2,8 @@
 
 `topk_allreduce(...)` composes four pieces, each its own function: a selector (`sparsejax.topk`),
 error feedback with or without momentum correction (`sparsejax.feedback`), a sparse collective
-(`sparsejax.comm.sparse_allgather` / `sparse_hitopk`) and a density schedule (`density_levels`,
+(`sparsejax.comm.sparse_collective`: TopK all-gather, HiTopKComm, gTop-k, HiTopKComm with
+gTop-k between nodes) and a density schedule (`density_levels`,
 `_level`). The uncompressed baselines are transforms of their own, named for what they are:
 `dense_mean` (one all-reduce) and `hierarchical_mean` (reduce-scatter, all-reduce, all-gather);
 `topk_allreduce(algorithm="dense" | "hierarchical")` returns them.
@@ -38,7 +39,8 @@ class ExchangeState(NamedTuple):
   """Per-worker state of `topk_allreduce`, `dense_mean` and `hierarchical_mean`.
 
   feedback: what this worker has not sent yet, a `Feedback(residual, velocity)` of float32[r]
-    buffers (r = padded n for "allgather", padded n / local for "hitopk"; velocity only with
+    buffers (r = padded n for the flat algorithms, padded n / local for the hierarchical ones
+    "hitopk", "higtopk"; velocity only with
     momentum correction); None for the dense baselines or without error feedback (no zero-size
     arrays: XLA and orbax both handle those badly).
   count: int32 number of updates so far (drives `density_schedule`).
@@ -99,7 +101,7 @@ def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: An
     raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
   if momentum and not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
     raise ValueError(f"momentum correction (momentum={momentum!r}) needs a sparse algorithm "
-                     f"(hitopk, allgather) with error feedback, got algorithm={algorithm!r}, "
+                     f"{comm.SPARSE_ALGORITHMS} with error feedback, got algorithm={algorithm!r}, "
                      f"error_feedback={error_feedback!r}; otherwise use the optimizer's momentum")
   if nesterov and not momentum:
     raise ValueError("nesterov=True needs momentum > 0")
@@ -188,7 +190,8 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"topk_allreduce(algorithm={collective.name!r})", collective.axes)
     layout = FlatLayout.from_tree(tree, pad_to=local)
-    part = layout.padded_size // local if collective.name == "hitopk" else layout.padded_size
+    part = (layout.padded_size // local if collective.name in comm.HIERARCHICAL_ALGORITHMS
+            else layout.padded_size)
     return layout, nodes, local, part
 
   def init_fn(params: Any) -> ExchangeState:
@@ -211,8 +214,12 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
       def run(part: jax.Array, feedback: Feedback | None):
         k = max(1, round(level * part_len))
         topk_lib.check_k(part, k)
-        values, indices, kept = feedback_select(part, feedback, k, select, **feedback_args)
-        return collective.gather(values, indices, part_len), kept if error_feedback else None
+        masking = feedback_args["masking"]
+        values, indices, kept = feedback_select(
+            part, feedback, k, select,
+            **{**feedback_args, "masking": masking and collective.reduce is None})
+        total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
+        return total, kept if error_feedback else None
       return run
 
     index = _level(levels, density_schedule, state.count, density_level)
@@ -240,14 +247,18 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
 
   Args:
     density: fraction of each buffer sent per step, in (0, 1]; `k = max(1, round(density * L))`
-      where L is the shard length (padded n / local for "hitopk", padded n for "allgather").
-    algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather); "hierarchical" or "dense"
+      where L is the shard length (padded n / local for "hitopk" and "higtopk", padded n for
+      "allgather" and "gtopk").
+    algorithm: "hitopk" (HiTopKComm), "allgather" (TopK all-gather), "gtopk" (gTop-k: a
+      recursive-doubling merge to k global positions, traffic growing with log2 of the workers),
+      "higtopk" (HiTopKComm with gTop-k between the nodes); "hierarchical" or "dense"
       return the uncompressed baselines `hierarchical_mean` / `dense_mean` (density, selector,
       error feedback and schedule are then ignored).
     selector: "mstopk", "exact", "sampled", or a callable `(x, k) -> (values, indices)`.
     axis_name: the axes the workers span, as JAX code binds them: one name
-      (`jax.pmap(..., axis_name="batch")`, a 1-D mesh) or a tuple of names for "dense" and
-      "allgather"; two names (slow inter-node, fast intra-node) for "hitopk" and "hierarchical".
+      (`jax.pmap(..., axis_name="batch")`, a 1-D mesh) or a tuple of names for "dense",
+      "allgather" and "gtopk"; two names (slow inter-node, fast intra-node) for "hitopk",
+      "higtopk" and "hierarchical".
       None (default): `(node_axis, local_axis)`.
     node_axis, local_axis: the same as two names (slow, fast), the default spelling; a None one
       is left out (for the flat algorithms). Give either these or `axis_name`.
@@ -287,8 +298,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     return dense_mean(axes)
   if algorithm == "hierarchical":
     return hierarchical_mean(*axes)
-  collective = (comm.sparse_hitopk(*axes) if algorithm == "hitopk"
-                else comm.sparse_allgather(axes))
+  collective = comm.sparse_collective(algorithm, axes)
   levels = density_levels(density) if density_schedule is not None else (float(density),)
   return _sparse(collective, select, levels, density_schedule, error_feedback, momentum,
                  {"momentum": momentum, "nesterov": nesterov, "masking": momentum_masking})

@@ -12,6 +12,7 @@ from sparsejax import comm, topk
 from sparsejax.feedback import Feedback
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+HLO_MESHES = MESHES + [(3, 2), (7, 1)]  # gTop-k's fold for a group that is not a power of two
 
 
 def residual_array(result):
@@ -172,6 +173,8 @@ def test_mstopk_inside_collectives_sends_what_it_keeps_back(rng, algorithm):
 _COLLECTIVE = re.compile(
     r"= (?P<out>\(?[^=]*?\)?) (?P<op>all-reduce|all-gather|reduce-scatter)(?:-start)?\("
     r"(?P<args>[^)]*)\).*?replica_groups=(?P<groups>\{[^=]*?\}\}|\[[^\]]*\]<=\[[^\]]*\][^,]*)")
+_PERMUTE = re.compile(r"= (?P<out>\S+) collective-permute(?:-start)?\(.*?source_target_pairs="
+                      r"(?P<pairs>\{[\d,{}]*\}\})")
 _BYTES = {"f32": 4, "s32": 4, "bf16": 2, "u32": 4}
 
 
@@ -211,10 +214,14 @@ def hlo_wire_bytes(hlo: str, local: int, num_devices: int):
     else:
       sent = (g - 1) * (result / g)
     out["inter" if spans else "intra"] += sent
+  for m in _PERMUTE.finditer(hlo):  # worker 0's sends
+    targets = [int(t) for s, t in re.findall(r"\{(\d+),(\d+)\}", m.group("pairs")) if s == "0"]
+    for t in targets:
+      out["inter" if t // local != 0 else "intra"] += _shape_bytes(m.group("out"))
   return out
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
+@pytest.mark.parametrize("nodes,local", HLO_MESHES)
 @pytest.mark.parametrize("algorithm", comm.ALGORITHMS)
 def test_wire_bytes_match_compiled_hlo(nodes, local, algorithm):
   shard, k = 1013, 17
@@ -227,6 +234,8 @@ def test_wire_bytes_match_compiled_hlo(nodes, local, algorithm):
                                                             local_axis="local"),
       "allgather": lambda v: comm.topk_allgather(v, k, axes=("node", "local"))[0],
       "hitopk": lambda v: comm.hitopk_allreduce(v, k, node_axis="node", local_axis="local")[0],
+      "gtopk": lambda v: comm.gtopk_allreduce(v, k, axes=("node", "local"))[0],
+      "higtopk": lambda v: comm.higtopk_allreduce(v, k, node_axis="node", local_axis="local")[0],
   }
   f = jax.jit(jax.shard_map(fns[algorithm], mesh=mesh, in_specs=spec, out_specs=spec))
   x = jax.ShapeDtypeStruct((nodes * local * n,), jnp.float32,

@@ -15,6 +15,8 @@ from typing import Any
 
 import ml_collections
 
+from sparsejax import comm
+
 __all__ = ["default_config", "validate", "apply_overrides", "load_config"]
 
 
@@ -96,7 +98,7 @@ def _optimizer_defaults() -> ml_collections.ConfigDict:
 def _compression_defaults() -> ml_collections.ConfigDict:
   """The `compression` group: the exchange and its density schedule."""
   return ml_collections.ConfigDict({
-      "algorithm": "hitopk",    # hitopk | allgather | hierarchical | dense
+      "algorithm": "hitopk",    # hitopk | higtopk | allgather | gtopk | hierarchical | dense
       "density": 0.01,
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
@@ -170,8 +172,8 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
        "optimizer.schedule", "one of cosine, linear, poly, step, constant")
   need(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", ">= 0")
   need(c.optimizer.warmup_epochs >= 0, "optimizer.warmup_epochs", ">= 0")
-  need(c.compression.algorithm in ("hitopk", "allgather", "hierarchical", "dense"),
-       "compression.algorithm", "one of hitopk, allgather, hierarchical, dense")
+  need(c.compression.algorithm in comm.ALGORITHMS,
+       "compression.algorithm", f"one of {', '.join(comm.ALGORITHMS)}")
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
   if c.compression.momentum_correction:
