@@ -170,7 +170,9 @@ class Checkpointer:
       return None
 
   def restore(self, step: int, like: Any) -> Any:
-    """The state saved at `step`, with the structure, shapes and shardings of `like`."""
+    """The state saved at `step`, with the structure, shapes and shardings of `like` (a save in
+    progress finished first)."""
+    self.wait()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _drop_empty(like))
     restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
     return jax.tree.map(lambda got, want: want if got is None else got, restored, like,
