@@ -52,7 +52,7 @@ def _train(args: argparse.Namespace) -> int:
     return 4
   if not distributed:
     _ensure_cpu_devices(config.mesh.num_devices)
-  from sparsejax.train.loop import TooManySkippedSteps, train_and_evaluate
+  from sparsejax.train import CheckpointError, TooManySkippedSteps, train_and_evaluate
 
   workdir = args.workdir or os.path.join(
       "runs", os.path.splitext(os.path.basename(args.config))[0])
@@ -64,10 +64,14 @@ def _train(args: argparse.Namespace) -> int:
   except TooManySkippedSteps as e:
     print(f"sparsejax train: {e}", file=sys.stderr)
     return 3
+  except CheckpointError as e:  # every checkpoint in the workdir is damaged
+    print(f"sparsejax train: {e}", file=sys.stderr)
+    return 5
   import jax
   if jax.process_index() == 0:
     _print_summary(summary, workdir)
-  return 130 if summary["interrupted"] else 0
+  # stopped early with a checkpoint saved: 128 + the signal, as a shell reports it
+  return {"SIGINT": 130, "SIGTERM": 143}.get(summary.get("interrupted_by"), 0)
 
 
 def _print_summary(summary: dict, workdir: str) -> None:
