@@ -123,8 +123,10 @@ class Checkpointer:
 
   def __init__(self, directory: str, keep: int):
     self.directory = os.path.abspath(directory)
+    # the handler named, so that a new manager reads a step's metadata before any restore
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=True))
+        max_to_keep=keep, create=True, enable_async_checkpointing=True),
+        item_handlers=ocp.StandardCheckpointHandler())
     self._commit: threading.Thread | None = None
     self._commit_error: BaseException | None = None
 
