@@ -425,7 +425,7 @@ class _DeadReports:
     if "stopped sending heartbeats):" in line:
       self._ids_next.add(p.rank)
     self.service += [r for r in found if r not in self.service]
-    if line.strip() == "RPC: /xla.coordination.CoordinationService/Heartbeat":
+    if line.startswith("RPC: ") and line.rstrip().endswith("CoordinationService/Heartbeat"):
       self.coordinator_silent = True
 
 
