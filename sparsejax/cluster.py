@@ -11,6 +11,10 @@ veth whose both ends are limited with `tc tbf` (no netem here: no added delay); 
 node share its namespace, so their traffic stays on its loopback (the fast intra-node link).
 Everything it creates carries a per-run prefix and is removed again, on success, failure and
 Ctrl-C. Processes are started with argument lists (never a shell).
+
+A lost process (killed, failed, or silent: JAX's heartbeat timeout) is named with its node,
+rank and time, and the others are stopped within seconds; `--nodes MIN:MAX` starts the job
+again on the nodes left while at least MIN remain (`--max-restarts`).
 """
 
 from __future__ import annotations
