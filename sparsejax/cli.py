@@ -1,8 +1,8 @@
 """`sparsejax` command line: thin, it parses and calls the library.
 
   sparsejax train CONFIG [--workdir DIR] [--set key=value ...]
-  sparsejax launch --nodes N --procs-per-node P [--devices-per-proc D] [--bandwidth RATE] \
-      -- train CONFIG [...]
+  sparsejax launch --nodes N|MIN:MAX --procs-per-node P [--devices-per-proc D] \
+      [--bandwidth RATE] [--max-restarts K] [--heartbeat-timeout S] -- train CONFIG [...]
   sparsejax prepare imagenet --manual-dir DIR --data-dir DIR [--fake]
   sparsejax prepare wmt14 --data-dir DIR
   sparsejax info [--config CONFIG]
@@ -52,7 +52,7 @@ def _train(args: argparse.Namespace) -> int:
     return 4
   if not distributed:
     _ensure_cpu_devices(config.mesh.num_devices)
-  from sparsejax.train.loop import TooManySkippedSteps, train_and_evaluate
+  from sparsejax.train import CheckpointError, TooManySkippedSteps, train_and_evaluate
 
   workdir = args.workdir or os.path.join(
       "runs", os.path.splitext(os.path.basename(args.config))[0])
@@ -64,10 +64,14 @@ def _train(args: argparse.Namespace) -> int:
   except TooManySkippedSteps as e:
     print(f"sparsejax train: {e}", file=sys.stderr)
     return 3
+  except CheckpointError as e:  # every checkpoint in the workdir is damaged
+    print(f"sparsejax train: {e}", file=sys.stderr)
+    return 5
   import jax
   if jax.process_index() == 0:
     _print_summary(summary, workdir)
-  return 130 if summary["interrupted"] else 0
+  # stopped early with a checkpoint saved: 128 + the signal, as a shell reports it
+  return {"SIGINT": 130, "SIGTERM": 143}.get(summary.get("interrupted_by"), 0)
 
 
 def _print_summary(summary: dict, workdir: str) -> None:
@@ -159,9 +163,12 @@ def _launch(args: argparse.Namespace) -> int:
   from sparsejax import cluster
   command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
   try:
-    return cluster.launch(command, nodes=args.nodes, procs_per_node=args.procs_per_node,
+    min_nodes, nodes = cluster.parse_nodes(args.nodes)
+    return cluster.launch(command, nodes=nodes, min_nodes=min_nodes,
+                          procs_per_node=args.procs_per_node,
                           devices_per_proc=args.devices_per_proc, bandwidth=args.bandwidth,
-                          init_timeout_s=args.init_timeout)
+                          init_timeout_s=args.init_timeout, max_restarts=args.max_restarts,
+                          heartbeat_timeout_s=args.heartbeat_timeout or None)
   except (ValueError, PermissionError, RuntimeError) as e:
     print(f"sparsejax launch: {e}", file=sys.stderr)
     return 2
@@ -220,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
   i.set_defaults(func=_info)
   la = sub.add_parser("launch", help="run a command as several processes on this machine, "
                                      "optionally inside an emulated cluster")
-  la.add_argument("--nodes", type=int, required=True, help="emulated nodes (>= 1)")
+  la.add_argument("--nodes", required=True, metavar="N|MIN:MAX",
+                  help="emulated nodes (>= 1); MIN:MAX starts on MAX and, when a node is lost, "
+                       "starts again on the nodes left while at least MIN remain")
+  la.add_argument("--max-restarts", type=int, default=3,
+                  help="with --nodes MIN:MAX: the most restarts after lost nodes")
+  la.add_argument("--heartbeat-timeout", type=int, default=3, metavar="S",
+                  help="a process silent for S seconds is dead to the others, which then abort "
+                       "(0: JAX's default, 100 s)")
   la.add_argument("--procs-per-node", type=int, default=1, help="processes per node (>= 1)")
   la.add_argument("--devices-per-proc", type=int, default=1,
                   help="virtual CPU devices per process (>= 1)")

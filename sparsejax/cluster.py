@@ -11,6 +11,10 @@ veth whose both ends are limited with `tc tbf` (no netem here: no added delay); 
 node share its namespace, so their traffic stays on its loopback (the fast intra-node link).
 Everything it creates carries a per-run prefix and is removed again, on success, failure and
 Ctrl-C. Processes are started with argument lists (never a shell).
+
+A lost process (killed, failed, or silent: JAX's heartbeat timeout) is named with its node,
+rank and time, and the others are stopped within seconds; `--nodes MIN:MAX` starts the job
+again on the nodes left while at least MIN remain (`--max-restarts`).
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "EmulatedCluster", "set_link_rate",
-           "link_sent_bytes", "launch"]
+__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "parse_nodes", "EmulatedCluster",
+           "set_link_rate", "link_sent_bytes", "launch"]
 
 # The launcher's environment for each process.
 ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
        "process_id": "SPARSEJAX_PROCESS_ID", "devices": "SPARSEJAX_DEVICES_PER_PROCESS",
        "host": "SPARSEJAX_GLOO_HOST", "timeout": "SPARSEJAX_INIT_TIMEOUT_S",
-       "node": "SPARSEJAX_NODE", "local_rank": "SPARSEJAX_LOCAL_RANK"}
+       "node": "SPARSEJAX_NODE", "local_rank": "SPARSEJAX_LOCAL_RANK",
+       "heartbeat": "SPARSEJAX_HEARTBEAT_TIMEOUT_S", "restart": "SPARSEJAX_RESTART"}
 # jax versions the gloo binding (private JAX API) was checked with.
 GLOO_BINDING_CHECKED = ("0.10.2",)
 
@@ -82,11 +87,14 @@ def _yield_threads(tids: set[int]) -> None:
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, devices_per_process: int | None = None,
-               gloo_host: str | None = None, timeout_s: int | None = None) -> bool:
+               gloo_host: str | None = None, timeout_s: int | None = None,
+               heartbeat_timeout_s: int | None = None) -> bool:
   """Starts `jax.distributed` from the arguments, else from the launcher's environment (ENV),
   else from what JAX detects (SLURM, Open MPI). On CPUs: gloo collectives and
-  `devices_per_process` virtual devices. Returns False (and does nothing) for a single process.
-  Must run before any other JAX call."""
+  `devices_per_process` virtual devices. `heartbeat_timeout_s`: a process that sends no
+  heartbeat for that long is dead to the coordination service, and every other process then
+  aborts (JAX's default, 100 s, where neither the argument nor ENV["heartbeat"] gives one).
+  Returns False (and does nothing) for a single process. Must run before any other JAX call."""
   import jax
   env = os.environ
   coordinator = coordinator or env.get(ENV["coordinator"])
@@ -99,6 +107,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   gloo_host = gloo_host or env.get(ENV["host"])
   if timeout_s is None:
     timeout_s = int(env.get(ENV["timeout"], "300"))
+  if heartbeat_timeout_s is None and env.get(ENV["heartbeat"]):
+    heartbeat_timeout_s = int(env[ENV["heartbeat"]])
   detected = any(k in env for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))
   if coordinator is None and not detected:
     return False
@@ -111,8 +121,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     bind_gloo(gloo_host)
   if coordinator and process_id not in (None, 0):
     _wait_for(coordinator, timeout_s)
+  heartbeat = {} if heartbeat_timeout_s is None else {
+      "heartbeat_timeout_seconds": heartbeat_timeout_s}
   jax.distributed.initialize(coordinator, num_processes, process_id,
-                             initialization_timeout=timeout_s)
+                             initialization_timeout=timeout_s, **heartbeat)
   _connect_all()
   return True
 
@@ -325,30 +337,125 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def parse_nodes(spec: str | int) -> tuple[int, int]:
+  """`--nodes` -> (min, max): "4" is (4, 4), "2:4" an elastic launch on 4 nodes that goes on
+  while at least 2 are alive. A ValueError names the value and what is allowed."""
+  text = str(spec).strip()
+  allowed = "give N or MIN:MAX, integers with 1 <= MIN <= MAX (e.g. 4 or 2:4)"
+  parts = text.split(":")
+  if len(parts) > 2 or not all(re.fullmatch(r"[+-]?\d+", x.strip()) for x in parts):
+    raise ValueError(f"--nodes {text!r} does not parse: {allowed}")
+  low, high = int(parts[0]), int(parts[-1])
+  if len(parts) == 2 and not 1 <= low <= high:
+    raise ValueError(f"--nodes {text!r} is not allowed: {allowed}")
+  return low, high
+
+
 @dataclasses.dataclass
 class _Proc:
   rank: int
+  node: int  # its node in the cluster (namespace, address): the launch's alive[rank // ppn]
   popen: subprocess.Popen
   buffer: bytes = b""
 
 
-def _stop(procs: Sequence[_Proc], grace_s: float) -> None:
+@dataclasses.dataclass
+class _Loss:
+  """A lost process: its rank and node, how it ended, and when the launcher noticed."""
+  rank: int
+  node: int
+  returncode: int | None  # None: still running, reported dead by the coordination service
+  at_s: float  # since the launch started
+  wall: float  # time.time() then
+
+  @property
+  def node_lost(self) -> bool:
+    """Killed by a signal (not JAX's own abort) or silent: a lost node, not a program's error."""
+    rc = self.returncode
+    return rc is None or (rc < 0 and rc != -signal.SIGABRT)
+
+  def how(self) -> str:
+    rc = self.returncode
+    if rc is None:
+      return "silent: it stopped sending heartbeats (hung or cut off)"
+    return f"killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
+
+  def line(self, others: int) -> str:
+    clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.wall))
+    return (f"sparsejax launch: lost node {self.node} (rank {self.rank}, {self.how()}) at "
+            f"{self.at_s:.2f} s after launch ({clock}.{int(self.wall % 1 * 1000):03d}); "
+            f"stopping the other {others} processes\n")
+
+
+def _signal_name(number: int) -> str:
+  try:
+    return signal.Signals(number).name
+  except ValueError:
+    return f"signal {number}"
+
+
+def _exit_status(returncode: int | None) -> int:
+  """A failed process's code as a shell reports it: 128 + N for a signal N, at least 1."""
+  if returncode is None or returncode == 0:
+    return 1
+  return 128 - returncode if returncode < 0 else returncode
+
+
+_TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")
+
+
+class _DeadReports:
+  """Ranks reported silent (hung: they have not exited; the others abort), read from the
+  processes' output as jax 0.10.2 writes it: the coordination service's "Task 1 heartbeat
+  timeout", or "...unhealthy (stopped sending heartbeats):" and the ids on the next line; and a
+  process's failed heartbeat to the service ("RPC: .../CoordinationService/Heartbeat"), which
+  names process 0, where the service runs, unless the service named another."""
+
+  def __init__(self) -> None:
+    self.service: list[int] = []
+    self.coordinator_silent = False
+    self._ids_next: set[int] = set()
+
+  @property
+  def ranks(self) -> list[int]:
+    return self.service or ([0] if self.coordinator_silent else [])
+
+  def read(self, p: _Proc, line: str) -> None:
+    found = [int(m) for m in _TASK_TIMEOUT.findall(line)]
+    if p.rank in self._ids_next:
+      self._ids_next.discard(p.rank)
+      if re.fullmatch(r"[\d,\s]+", line):
+        found += [int(t) for t in re.findall(r"\d+", line)]
+    if "stopped sending heartbeats):" in line:
+      self._ids_next.add(p.rank)
+    self.service += [r for r in found if r not in self.service]
+    if line.startswith("RPC: ") and line.rstrip().endswith("CoordinationService/Heartbeat"):
+      self.coordinator_silent = True
+
+
+def _stop(procs: Sequence[_Proc], grace_s: float) -> list[int]:
+  """SIGTERM to every running process, SIGKILL to those still running after `grace_s`; returns
+  the ranks that needed SIGKILL."""
   for p in procs:
     if p.popen.poll() is None:
       with contextlib.suppress(ProcessLookupError):
         os.killpg(p.popen.pid, signal.SIGTERM)
   deadline = time.monotonic() + grace_s
+  killed = []
   for p in procs:
     with contextlib.suppress(subprocess.TimeoutExpired):
       p.popen.wait(max(0.0, deadline - time.monotonic()))
     if p.popen.poll() is None:
+      killed.append(p.rank)
       with contextlib.suppress(ProcessLookupError):
         os.killpg(p.popen.pid, signal.SIGKILL)
       p.popen.wait()
+  return killed
 
 
-def _pump(procs: Sequence[_Proc], out) -> Iterator[None]:
-  """Copies each process's output, line by line and prefixed with its rank, to `out`."""
+def _pump(procs: Sequence[_Proc], out, on_line=None) -> Iterator[None]:
+  """Copies each process's output, line by line and prefixed with its rank, to `out`; calls
+  `on_line(proc, line)` for each line."""
   sel = selectors.DefaultSelector()
   for p in procs:
     os.set_blocking(p.popen.stdout.fileno(), False)
@@ -360,10 +467,15 @@ def _pump(procs: Sequence[_Proc], out) -> Iterator[None]:
       if not chunk:
         sel.unregister(key.fileobj)
         chunk = b"\n" if p.buffer else b""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+          p.popen.wait(0.5)  # its output ended as it exits: seen in the order they ended
       p.buffer += chunk
       *lines, p.buffer = p.buffer.split(b"\n")
       for line in lines:
-        out.write(f"[{p.rank}] {line.decode(errors='replace')}\n")
+        text = line.decode(errors="replace")
+        out.write(f"[{p.rank}] {text}\n")
+        if on_line is not None:
+          on_line(p, text)
       out.flush()
     yield
 
@@ -372,22 +484,31 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
-def _check_launch(argv: Sequence[str], nodes: int, procs_per_node: int, devices_per_proc: int
-                  ) -> None:
+def _check_launch(argv: Sequence[str], nodes: int, procs_per_node: int, devices_per_proc: int,
+                  min_nodes: int, max_restarts: int, heartbeat_timeout_s: int | None) -> None:
   """Raises ValueError for launch arguments that cannot work."""
   for name, value in (("nodes", nodes), ("procs-per-node", procs_per_node),
                       ("devices-per-proc", devices_per_proc)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"--{name} must be an integer >= 1, got {value!r}")
+  if not isinstance(min_nodes, int) or not 1 <= min_nodes <= nodes:
+    raise ValueError(f"the minimum node count must be in [1, {nodes}] (--nodes MIN:MAX), got "
+                     f"{min_nodes!r}")
+  if not isinstance(max_restarts, int) or max_restarts < 0:
+    raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
+  if heartbeat_timeout_s is not None and (not isinstance(heartbeat_timeout_s, int)
+                                          or heartbeat_timeout_s < 1):
+    raise ValueError(f"--heartbeat-timeout must be an integer >= 1 (seconds), got "
+                     f"{heartbeat_timeout_s!r}")
   if not argv:
     raise ValueError("nothing to launch: give the command after --, e.g. -- train CONFIG")
 
 
-def _process_env(rank: int, world: int, procs_per_node: int, devices_per_proc: int,
-                 coordinator: str, init_timeout_s: int, cluster: EmulatedCluster | None,
+def _process_env(rank: int, world: int, node: int, local_rank: int, devices_per_proc: int,
+                 coordinator: str, init_timeout_s: int, gloo_host: str | None,
                  extra_env: dict[str, str] | None) -> dict[str, str]:
-  """The environment of process `rank`: where the coordinator is, who it is, its devices."""
-  node = rank // procs_per_node
+  """The environment of process `rank` on the launch's `node` (0..nodes-1): where the
+  coordinator is, who it is, its devices."""
   # each process gets --devices-per-proc devices, whatever XLA_FLAGS said here
   xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                        if "xla_force_host_platform_device_count" not in f)
@@ -395,74 +516,170 @@ def _process_env(rank: int, world: int, procs_per_node: int, devices_per_proc: i
       ENV["coordinator"]: coordinator, ENV["num_processes"]: str(world),
       ENV["process_id"]: str(rank), ENV["devices"]: str(devices_per_proc),
       ENV["timeout"]: str(init_timeout_s), ENV["node"]: str(node),
-      ENV["local_rank"]: str(rank % procs_per_node), "PYTHONUNBUFFERED": "1",
-      **(extra_env or {})})
-  if cluster is not None:
-    env[ENV["host"]] = cluster.address(node)
+      ENV["local_rank"]: str(local_rank), "PYTHONUNBUFFERED": "1", **(extra_env or {})})
+  if gloo_host is not None:
+    env[ENV["host"]] = gloo_host
   return env
 
 
-def _supervise(procs: Sequence[_Proc], procs_per_node: int, grace_s: float, out) -> int:
-  """Pumps the processes' output until all have exited; on the first failure stops the others.
-  Returns 0, or the failed process's exit code (1 if it had none)."""
-  failed = None
-  for _ in _pump(procs, out):
-    for p in procs:
-      if failed is None and p.popen.poll() not in (None, 0):
-        failed = p
-        out.write(f"sparsejax launch: rank {p.rank} (node {p.rank // procs_per_node}) "
-                  f"exited with code {p.popen.returncode}; stopping the other processes\n")
-        out.flush()
-        _stop(procs, grace_s)
+@dataclasses.dataclass
+class _Job:
+  """What each start of a launched job runs, and how it is stopped."""
+  argv: Sequence[str]
+  program: Sequence[str] | None
+  procs_per_node: int
+  devices_per_proc: int
+  init_timeout_s: int
+  heartbeat_timeout_s: int | None
+  grace_s: float  # after SIGTERM, when the launch is interrupted
+  lost_grace_s: float  # after SIGTERM, for the others when a node is lost
+  cluster: EmulatedCluster | None
+  extra_env: dict[str, str] | None
+
+  def command(self, nodes: int, restart: int) -> list[str]:
+    """The command line; a restarted `train` is told the node count (mesh.*) of this start."""
+    cmd = [*(self.program or (sys.executable, "-m", "sparsejax.cli")), *self.argv]
+    if restart and self.program is None and self.argv[:1] == ["train"]:
+      local = self.procs_per_node * self.devices_per_proc
+      cmd += ["--set", f"mesh.nodes={nodes}", "--set", f"mesh.local={local}",
+              "--set", f"mesh.num_devices={nodes * local}"]
+    return cmd
+
+  def start(self, alive: Sequence[int], restart: int) -> list[_Proc]:
+    """Starts the processes on the cluster's nodes `alive` (the first one coordinates)."""
+    ppn, world = self.procs_per_node, len(alive) * self.procs_per_node
+    host = self.cluster.address(alive[0]) if self.cluster is not None else "127.0.0.1"
+    coordinator = f"{host}:{_free_port()}"
+    extra = dict(self.extra_env or {}, **{ENV["restart"]: str(restart)})
+    if self.heartbeat_timeout_s is not None:
+      extra[ENV["heartbeat"]] = str(self.heartbeat_timeout_s)
+    cmd = self.command(len(alive), restart)
+    procs: list[_Proc] = []
+    for rank in range(world):
+      node = alive[rank // ppn]
+      gloo_host = self.cluster.address(node) if self.cluster is not None else None
+      env = _process_env(rank, world, rank // ppn, rank % ppn, self.devices_per_proc,
+                         coordinator, self.init_timeout_s, gloo_host, extra)
+      full = (self.cluster.exec_prefix(node) if self.cluster is not None else []) + cmd
+      popen = subprocess.Popen(full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+      procs.append(_Proc(rank, node, popen))
+    return procs
+
+
+def _find_loss(procs: Sequence[_Proc], reports: _DeadReports, started: float) -> _Loss | None:
+  """The lost process, if any: one the coordination service reported dead, else the first that
+  failed (one killed by a signal before one that JAX aborted because another died)."""
+  by_rank = {p.rank: p for p in procs}
+  named = [by_rank[r] for r in reports.ranks if r in by_rank]
+  failed = [p for p in procs if p.popen.poll() not in (None, 0)]
+  # killed first, then failed with a code, then aborted by JAX (it saw another die)
+  failed.sort(key=lambda p: (p.popen.returncode == -signal.SIGABRT, p.popen.returncode > 0))
+  lost = (named or failed or [None])[0]
+  if lost is None:
+    return None
+  return _Loss(lost.rank, lost.node, lost.popen.poll(), time.monotonic() - started, time.time())
+
+
+def _supervise(procs: Sequence[_Proc], lost_grace_s: float, out, started: float
+               ) -> tuple[int, _Loss | None]:
+  """Pumps the processes' output until all have exited. On the first loss (a process exits
+  non-zero, is killed, or is reported dead) says which node and when, and stops the others
+  (SIGTERM, SIGKILL after `lost_grace_s`). Returns (0, None) or (exit status, the loss)."""
+  reports, loss = _DeadReports(), None
+  for _ in _pump(procs, out, reports.read):
+    if loss is None and (loss := _find_loss(procs, reports, started)) is not None:
+      out.write(loss.line(len(procs) - 1))
+      out.flush()
+      noticed = time.monotonic()
+      if loss.returncode is None:  # silent: SIGTERM would wait on it in vain
+        with contextlib.suppress(ProcessLookupError):
+          os.killpg(next(p for p in procs if p.rank == loss.rank).popen.pid, signal.SIGKILL)
+      killed = _stop(procs, lost_grace_s)
+      codes = ", ".join(f"{p.rank}: {p.popen.returncode}" for p in procs if p.rank != loss.rank)
+      out.write(f"sparsejax launch: every process ended {time.monotonic() - noticed:.2f} s "
+                f"after the loss was noticed (exit codes by rank: {codes}; SIGKILL after the "
+                f"{lost_grace_s:g} s grace: {killed or 'none'})\n")
   for p in procs:
     p.popen.wait()
-  if failed is not None:
-    out.write(f"sparsejax launch: failed: lost rank {failed.rank} (exit code "
-              f"{failed.popen.returncode})\n")
-    return failed.popen.returncode or 1
-  return 0
+  if loss is None:
+    return 0, None
+  out.write(f"sparsejax launch: failed: lost rank {loss.rank} (node {loss.node}, {loss.how()})\n")
+  out.flush()
+  return _exit_status(loss.returncode), loss
+
+
+def _run_once(job: _Job, alive: Sequence[int], restart: int, started: float, out
+              ) -> tuple[int, _Loss | None]:
+  """One start of the job on the nodes `alive`, to its end: (exit status, the loss or None)."""
+  procs: list[_Proc] = []
+  try:
+    procs = job.start(alive, restart)
+    return _supervise(procs, job.lost_grace_s, out, started)
+  except KeyboardInterrupt:
+    out.write("sparsejax launch: interrupted; stopping every process\n")
+    return 130, None
+  finally:
+    _stop(procs, min(job.grace_s, 30.0))
+
+
+def _run_elastic(job: _Job, nodes: int, min_nodes: int, max_restarts: int, out) -> int:
+  """Runs the job on `nodes` nodes; while at least `min_nodes` are alive (and at most
+  `max_restarts` times), starts it again on the nodes left after one is lost."""
+  alive, started = list(range(nodes)), time.monotonic()
+  for restart in range(max_restarts + 1):
+    rc, loss = _run_once(job, alive, restart, started, out)
+    if loss is None or min_nodes == nodes:
+      return rc
+    if not loss.node_lost:
+      out.write(f"sparsejax launch: not restarting: rank {loss.rank} {loss.how()}, a failure of "
+                "the program rather than a lost node\n")
+      return rc
+    alive = [n for n in alive if n != loss.node]
+    if len(alive) < min_nodes:
+      out.write(f"sparsejax launch: giving up: lost node {loss.node}, {len(alive)} node(s) "
+                f"remain, fewer than the minimum of {min_nodes} (--nodes {min_nodes}:{nodes})\n")
+      return rc
+    if restart == max_restarts:
+      out.write(f"sparsejax launch: giving up: lost node {loss.node} after {max_restarts} "
+                f"restart(s), the most allowed (--max-restarts {max_restarts})\n")
+      return rc
+    out.write(f"sparsejax launch: restart {restart + 1} (of at most {max_restarts}): lost node "
+              f"{loss.node}; starting again on the {len(alive)} remaining nodes {alive} "
+              f"(minimum {min_nodes})\n")
+    out.flush()
+  return rc
 
 
 def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_proc: int = 1,
            bandwidth: str | None = None, init_timeout_s: int = 120, grace_s: float = 20.0,
            out=None, program: Sequence[str] | None = None,
-           cluster: EmulatedCluster | None = None, extra_env: dict[str, str] | None = None) -> int:
+           cluster: EmulatedCluster | None = None, extra_env: dict[str, str] | None = None,
+           min_nodes: int | None = None, max_restarts: int = 3,
+           heartbeat_timeout_s: int | None = 3, lost_grace_s: float = 2.0) -> int:
   """Runs `python -m sparsejax.cli *argv` (or `*program, *argv`) as nodes * procs_per_node
-  processes; returns the exit code (0 only if every process exited 0). If one process fails, the
-  others are stopped (SIGTERM, then SIGKILL after `grace_s`) and the error names the lost rank.
-  `bandwidth` builds an EmulatedCluster for this launch; `cluster` reuses one already built."""
-  _check_launch(argv, nodes, procs_per_node, devices_per_proc)
+  processes; returns the exit status (0 only if every process exited 0).
+
+  When a process fails or is killed, the launcher names its node and rank and when, and stops
+  the others (SIGTERM, SIGKILL after `lost_grace_s`; after `grace_s` on Ctrl-C). Each process
+  also aborts by itself within about `heartbeat_timeout_s` of a peer going silent (None: JAX's
+  100 s). Elastic (`min_nodes` < `nodes`): after a lost node, the job starts again on the nodes
+  left (a restarted `train` gets `--set mesh.nodes=...`), while at least `min_nodes` remain and
+  at most `max_restarts` times. `bandwidth` builds an EmulatedCluster for this launch; `cluster`
+  reuses one already built."""
+  min_nodes = nodes if min_nodes is None else min_nodes
+  _check_launch(argv, nodes, procs_per_node, devices_per_proc, min_nodes, max_restarts,
+                heartbeat_timeout_s)
   rate = parse_rate(bandwidth) if bandwidth is not None else None
   if cluster is not None and (rate is not None or cluster.nodes != nodes):
     raise ValueError("give either bandwidth or a cluster of `nodes` nodes, not both")
-  out = out or sys.stdout
-  world = nodes * procs_per_node
+  job = _Job(list(argv), program, procs_per_node, devices_per_proc, init_timeout_s,
+             heartbeat_timeout_s, grace_s, lost_grace_s, cluster, extra_env)
   with contextlib.ExitStack() as stack:
     if rate is not None:
-      cluster = stack.enter_context(EmulatedCluster(nodes, rate))
-    host = cluster.address(0) if cluster is not None else "127.0.0.1"
-    coordinator = f"{host}:{_free_port()}"
-    procs: list[_Proc] = []
-    interrupted = False
-    main = threading.current_thread() is threading.main_thread()
-    if main:  # a SIGTERM to the launcher stops and cleans up like Ctrl-C
-      old = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-      for rank in range(world):
-        env = _process_env(rank, world, procs_per_node, devices_per_proc, coordinator,
-                           init_timeout_s, cluster, extra_env)
-        cmd = [*(program or (sys.executable, "-m", "sparsejax.cli")), *argv]
-        if cluster is not None:
-          cmd = cluster.exec_prefix(rank // procs_per_node) + cmd
-        popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        procs.append(_Proc(rank, popen))
-      return _supervise(procs, procs_per_node, grace_s, out)
-    except KeyboardInterrupt:
-      interrupted = True
-      out.write("sparsejax launch: interrupted; stopping every process\n")
-      return 130
-    finally:
-      if main:
-        signal.signal(signal.SIGTERM, old)
-      _stop(procs, grace_s if not interrupted else min(grace_s, 30.0))
+      job.cluster = stack.enter_context(EmulatedCluster(nodes, rate))
+    if threading.current_thread() is threading.main_thread():
+      # a SIGTERM to the launcher stops and cleans up like Ctrl-C
+      stack.callback(signal.signal, signal.SIGTERM,
+                     signal.signal(signal.SIGTERM, _raise_interrupt))
+    return _run_elastic(job, nodes, min_nodes, max_restarts, out or sys.stdout)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +69,7 @@ def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 @dataclasses.dataclass
 class _Tally:
-  """What the summary adds up over a run, carried on from the summary of a resumed run."""
+  """What the summary adds up over a run, carried on from the checkpoint a run resumes from."""
 
   previous: dict[str, Any]
   bytes_sent: float
@@ -77,16 +80,37 @@ class _Tally:
   t0: float = dataclasses.field(default_factory=time.time)
 
   @classmethod
-  def resume(cls, summary_path: str, start: int) -> _Tally:
-    """From `summary_path` when the run resumes at `start` > 0, else from zero; the clock
-    starts now."""
-    previous = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
+  def resume(cls, summary_path: str, start: int, saved: dict[str, Any] | None) -> _Tally:
+    """From zero when the run starts at `start` = 0, else from `saved` (what `record` gave when
+    the checkpoint at `start` was written) or, for a checkpoint saved without it, from
+    `summary_path`. The wall time counts steps that are redone (the summary may be newer than
+    the checkpoint); the clock starts now."""
+    summary = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
+    previous = saved if start and saved is not None else summary
+    wall = max(float(previous.get("wall_time_s", 0.0)), float(summary.get("wall_time_s", 0.0)))
     return cls(previous, float(previous.get("bytes_sent", 0.0)),
-               int(previous.get("skipped_steps", 0)), float(previous.get("wall_time_s", 0.0)),
-               previous.get("time_to_target"))
+               int(previous.get("skipped_steps", 0)), wall, previous.get("time_to_target"))
 
   def wall_time_s(self) -> float:
     return self.wall_before + time.time() - self.t0
+
+  def best(self, config: Any) -> dict[str, Any] | None:
+    """The best eval so far, earlier parts of the run included: the highest accuracy for
+    classifiers, the lowest loss for sequence models."""
+    candidates = [{"step": s, **m} for s, m in self.evals]
+    if self.previous.get("best_eval"):
+      candidates.append(self.previous["best_eval"])
+    if not candidates:
+      return None
+    if config.model.name in models.SEQUENCE_MODELS:
+      return min(candidates, key=lambda e: e["loss"])
+    return max(candidates, key=lambda e: e["accuracy"])
+
+  def record(self, config: Any) -> dict[str, Any]:
+    """What a run resumed from a checkpoint written now carries on (`resume`'s `saved`)."""
+    return {"bytes_sent": self.bytes_sent, "skipped_steps": self.skipped_steps,
+            "wall_time_s": self.wall_time_s(), "time_to_target": self.time_to_target,
+            "best_eval": self.best(config)}
 
   def add_eval(self, config: Any, step: int, metrics: dict[str, float]) -> None:
     """Keeps `metrics`; notes the time when the config's target metric is first reached."""
@@ -97,6 +121,44 @@ class _Tally:
       self.time_to_target = {"metric": target, "value": metrics[target],
                              "target": config.target_value, "step": step,
                              "wall_time_s": self.wall_time_s()}
+
+
+class _Preemption:
+  """SIGTERM (what clouds send some seconds before they preempt a machine) asks the loop to save
+  after the step in flight and stop. One process: while entered in the main thread, SIGTERM only
+  sets `requested` (the previous handler is restored on exit). Several processes: jax's
+  preemption service (started by jax.distributed, its own SIGTERM handler) picks a step that all
+  processes stop at."""
+
+  def __init__(self) -> None:
+    self.requested = False
+    self._previous: Any = None
+    self._installed = False
+
+  def _note(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    self.requested = True
+
+  def __enter__(self) -> _Preemption:
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._note)
+      self._installed = True
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    if self._installed:  # None: a handler not set from Python, treated as the default
+      signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+      self._installed = False
+
+  def reached(self, step: int) -> bool:
+    """Whether to stop after `step` (all processes agree on it)."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    try:
+      return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
+      return False
 
 
 @dataclasses.dataclass
@@ -128,9 +190,19 @@ class _Job:
     return state
 
   def save(self, state: Any, step: int) -> Any:
+    """Starts saving `state` as `step` (BatchNorm statistics synced first) with the tally so
+    far; returns the synced state without waiting for the files."""
     state = self.sync(state)
-    self.ckpt.save(step, state)
+    self.ckpt.save(step, state, meta=self.tally.record(self.config))
     return state
+
+  def stop(self, state: Any, step: int, bar: tqdm, why: str) -> None:
+    """Saves `state` as `step` when the run stops early (`why`: SIGINT, SIGTERM), as it is: its
+    BatchNorm statistics not synced, so that the resumed run equals an uninterrupted one."""
+    bar.close()
+    print(f"\n{'interrupted' if why == 'SIGINT' else why}: saving a checkpoint at step {step} "
+          f"in {self.ckpt.directory}", flush=True)
+    self.ckpt.save(step, state, meta=self.tally.record(self.config))
 
   def log(self, pending: list[dict[str, jax.Array]], done: int, state: Any, bar: tqdm) -> None:
     """Writes the mean of the `pending` steps' metrics; stops a run that skips too often."""
@@ -161,8 +233,10 @@ class _Job:
     return state
 
 
-def _train(job: _Job, state: Any, start: int, show: bool) -> tuple[Any, int, bool]:
-  """Steps `start` to the end; returns (state, steps done, interrupted by Ctrl-C)."""
+def _train(job: _Job, state: Any, start: int, show: bool,
+           preemption: _Preemption) -> tuple[Any, int, str | None]:
+  """Steps `start` to the end; returns (state, steps done, None or what stopped the run early:
+  "SIGINT" for Ctrl-C, "SIGTERM" after the step in flight)."""
   config, total_steps = job.config, job.total_steps
   bar = tqdm(total=total_steps, initial=start, disable=not show, unit="step", dynamic_ncols=True)
   pending: list[dict[str, jax.Array]] = []
@@ -179,35 +253,29 @@ def _train(job: _Job, state: Any, start: int, show: bool) -> tuple[Any, int, boo
         pending = []
       bar.update(1)
       state = job.after_step(state, done)
-    return state, total_steps, False
+      if preemption.reached(done):
+        job.stop(state, done, bar, "SIGTERM")
+        return state, done, "SIGTERM"
+    return state, total_steps, None
   except KeyboardInterrupt:
     step = int(state.step)
-    bar.close()
-    print(f"\ninterrupted: saving a checkpoint at step {step} in {job.ckpt.directory}")
-    job.save(state, step)
-    return state, step, True
+    job.stop(state, step, bar, "SIGINT")
+    return state, step, "SIGINT"
   finally:
     bar.close()
 
 
-def _summary(config: Any, tally: _Tally, step: int, total_steps: int, interrupted: bool,
+def _summary(config: Any, tally: _Tally, step: int, total_steps: int, stopped_by: str | None,
              mesh) -> dict[str, Any]:
   """summary.json's content: the run's length, time, best and final evals, bytes, skips."""
-  candidates = [{"step": s, **m} for s, m in tally.evals]
-  if tally.previous.get("best_eval"):
-    candidates.append(tally.previous["best_eval"])
-  # best: the highest accuracy for classifiers, the lowest loss for sequence models
-  if config.model.name in models.SEQUENCE_MODELS:
-    best = min(candidates, key=lambda e: e["loss"]) if candidates else None
-  else:
-    best = max(candidates, key=lambda e: e["accuracy"]) if candidates else None
+  interrupted = stopped_by is not None
   return {
       "config": config.to_dict(), "steps": int(step), "total_steps": total_steps,
-      "interrupted": interrupted,
+      "interrupted": interrupted, "interrupted_by": stopped_by,
       "wall_time_s": tally.wall_time_s(),
       "time_to_target": tally.time_to_target,
       "final_eval": tally.evals[-1][1] if tally.evals and not interrupted else None,
-      "best_eval": best,
+      "best_eval": tally.best(config),
       "bytes_sent": tally.bytes_sent, "skipped_steps": tally.skipped_steps,
       "devices": mesh.size, "mesh": dict(mesh.shape),
   }
@@ -261,26 +329,26 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   setup, state = from_config(config, mesh, data.num_classes, example,
                              steps_per_epoch=steps_per_epoch, total_steps=total_steps)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
-  start = ckpt.latest_step() or 0
-  if start:
-    state = place(ckpt.restore(start, state), mesh)
-  lead = jax.process_index() == 0  # the process that writes metrics and the summary
-  writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
-  summary_path = os.path.join(workdir, "summary.json")
-  job = _Job(config, setup, data, _per_level(setup), step_lib.jit_eval_step(setup, state),
-             step_lib.jit_sync_batch_stats(mesh), ckpt, writer, _Tally.resume(summary_path, start),
-             steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch))
+  with _Preemption() as preemption, contextlib.ExitStack() as cleanup:
+    cleanup.callback(ckpt.close)  # waits for the last checkpoint and its manifest
+    start, state = ckpt.restore_latest(state, lambda restored: place(restored, mesh))
+    lead = jax.process_index() == 0  # the process that writes metrics and the summary
+    writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
+    cleanup.callback(writer.close)
+    summary_path = os.path.join(workdir, "summary.json")
+    job = _Job(config, setup, data, _per_level(setup), step_lib.jit_eval_step(setup, state),
+               step_lib.jit_sync_batch_stats(mesh), ckpt, writer,
+               _Tally.resume(summary_path, start, ckpt.meta(start)), steps_per_epoch,
+               total_steps, _stage_ends(config, steps_per_epoch))
 
-  # --- the loop
-  state, step, interrupted = _train(job, state, start, progress and lead)
-  if not interrupted:
-    state = job.run_eval(state, total_steps)
-    state = job.save(state, total_steps)
-  writer.close()
-  ckpt.close()
+    # --- the loop
+    state, step, stopped_by = _train(job, state, start, progress and lead, preemption)
+    if not stopped_by:
+      state = job.run_eval(state, total_steps)
+      job.save(state, total_steps)
 
-  # --- the summary
-  summary = _summary(config, job.tally, step, total_steps, interrupted, mesh)
+  # --- the summary, once the last checkpoint is written
+  summary = _summary(config, job.tally, step, total_steps, stopped_by, mesh)
   if lead:
     _write_json(summary_path, summary)
   return summary

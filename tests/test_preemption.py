@@ -1,0 +1,32 @@
+"""experiments/preemption.py --quick: an elastic run on 3 emulated nodes loses one a third of the
+way through, goes on with 2 (the checkpoint of 3 workers resized for 2) and ends like the run
+that lost nothing."""
+
+import json
+import os
+
+import pytest
+
+from experiments import preemption
+
+
+def test_a_run_that_loses_a_node_goes_on_and_reaches_the_target(tmp_path):
+  if os.geteuid() != 0:
+    if os.environ.get("CI"):
+      pytest.fail("CI runs as root: the emulated-cluster test must run there")
+    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  out = tmp_path / "preemption.json"
+  assert preemption.main(["--quick", "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  whole, lost = got["runs"]
+  assert not whole["lose"] and lost["lose"]
+  assert whole["rc"] == lost["rc"] == 0 and lost["steps"] == whole["steps"] == got["meta"][
+      "total_steps"]
+  assert lost["devices_at_end"] == 2 and whole["devices_at_end"] == 3
+  assert any("restart 1" in line for line in lost["launcher"])
+  assert any("written by 3 workers; resized for 2" in line for line in lost["launcher"])
+  assert lost["target_s"] is not None and whole["target_s"] is not None
+  assert abs(lost["final_accuracy"] - whole["final_accuracy"]) < 0.03
+  assert 0 <= lost["detect_s"] < 5 and lost["restart_s"] > 0 and lost["steps_again"] >= 0
+  assert lost["kill_step"] >= round(got["meta"]["at"] * got["meta"]["total_steps"])
+  assert "| a node lost |" in out.with_suffix(".md").read_text()
