@@ -31,7 +31,6 @@ import contextlib
 import os
 import platform
 import signal
-import statistics
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 if not __package__:  # run as `python experiments/bench_failover.py`: import from this checkout
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, spread, write_results  # noqa: E402
 
 TOKEN = "SPARSEJAX_FAILOVER_TOKEN"  # in the environment of one trial's processes
 MODES = {"launcher": 2.0, "self": 60.0}  # the launcher's grace between SIGTERM and SIGKILL
@@ -195,15 +194,6 @@ def measure_failover(nodes: int, victim: int, sig: int = signal.SIGKILL, *,
 
 # ----------------------------------------------------------------------------- driver
 
-def _rng(vals: list[float | None]) -> str:
-  vals = sorted(v for v in vals if v is not None)
-  if not vals:
-    return "-"
-  if len(vals) == 1:
-    return f"{vals[0]:.2f}"
-  return f"{vals[0]:.2f} / {statistics.median(vals):.2f} / {vals[-1]:.2f}"
-
-
 def make_table(results: dict) -> str:
   m = results["meta"]
   lines = [f"A lost node on an emulated cluster of {m['nodes']} nodes ({m['rate']} links, one "
@@ -218,8 +208,9 @@ def make_table(results: dict) -> str:
     mine = [t for t in trials if (t["victim_label"], t["signal"], t["mode"]) == key]
     killed = sum("grace: none" not in " ".join(t["launcher_lines"]) for t in mine)
     lines.append(f"| {key[0]} (rank {mine[0]['victim']}) | {key[1]} | {key[2]} | "
-                 f"{_rng([t['noticed_s'] for t in mine])} | {_rng([t['ended_s'] for t in mine])} "
-                 f"| {sum(t['named_right'] for t in mine)}/{len(mine)} | {killed}/{len(mine)} |")
+                 f"{spread([t['noticed_s'] for t in mine])} | "
+                 f"{spread([t['ended_s'] for t in mine])} | "
+                 f"{sum(t['named_right'] for t in mine)}/{len(mine)} | {killed}/{len(mine)} |")
   lines += ["", "Modes: launcher = SIGTERM to the others when the launcher sees the loss, SIGKILL "
             f"{MODES['launcher']:g} s later; self = a {MODES['self']:g} s grace, so the others "
             "end by what they notice themselves (gloo's error, the heartbeat timeout).", "",
@@ -257,7 +248,7 @@ def drive(args, argv: list[str]) -> int:
                                    heartbeat_timeout_s=args.heartbeat or None, log=sys.stdout)
         trial.update(run=run, mode=mode, victim_label=label)
         print(f"run {run}, {label} (rank {rank}), {mode}: noticed "
-              f"{_rng([trial['noticed_s']])} s, ended {trial['ended_s']:.2f} s", flush=True)
+              f"{spread([trial['noticed_s']])} s, ended {trial['ended_s']:.2f} s", flush=True)
         results["trials"].append(trial)
   table = make_table(results)
   print(table)

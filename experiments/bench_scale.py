@@ -59,7 +59,7 @@ if not __package__:  # run as `python experiments/bench_scale.py`: import from t
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import SIZES, launch_workers  # noqa: E402
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, spread, write_results  # noqa: E402
 
 ALGORITHMS = ("allgather", "gtopk", "dense")
 PHASES = ("select", "exchange", "apply", "full")
@@ -298,15 +298,6 @@ def analyse(results: dict) -> list[dict]:
   return rows
 
 
-def _rng(vals: list[float | None], scale: float = 1.0, digits: int = 2) -> str:
-  vals = sorted(v * scale for v in vals if v is not None)
-  if not vals:
-    return "-"
-  if len(vals) == 1:
-    return f"{vals[0]:.{digits}f}"
-  return f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}"
-
-
 def speedups(rows: list[dict], over: str = "allgather", of: str = "gtopk") -> dict[int, list]:
   """nodes -> per-run exchange-time ratios over/of (run i against run i)."""
   by = {(r["nodes"], r["algorithm"]): r for r in rows}
@@ -332,10 +323,10 @@ def make_tables(results: dict, rows: list[dict]) -> str:
   ups = speedups(rows)
   for nodes in sorted({r["nodes"] for r in rows}):
     ag, gt, de = (by.get((nodes, a)) for a in ("allgather", "gtopk", "dense"))
-    lines.append(f"| {nodes} | {_rng(ag['exchange_s']) if ag else '-'} | "
-                 f"{_rng(gt['exchange_s']) if gt else '-'} | {_rng(ups.get(nodes, []))}x | "
-                 f"{_rng(de['exchange_s']) if de else '-'} | "
-                 f"{_rng(de['exchange_s'], scale, 1) if de else '-'} |")
+    lines.append(f"| {nodes} | {spread(ag['exchange_s']) if ag else '-'} | "
+                 f"{spread(gt['exchange_s']) if gt else '-'} | {spread(ups.get(nodes, []))}x | "
+                 f"{spread(de['exchange_s']) if de else '-'} | "
+                 f"{spread(de['exchange_s'], 1, scale) if de else '-'} |")
   lines += ["", "Bytes each node's link sent per exchange (interface counter, headers included; "
             "mean over nodes, median run) against the model's bytes of the busiest worker "
             "(`comm.wire_bytes`):", "", "| nodes | algorithm | measured KB mean | measured KB "
@@ -351,9 +342,9 @@ def make_tables(results: dict, rows: list[dict]) -> str:
             "| nodes | algorithm | machine idle | workers' CPU share | link busy |",
             "|---:|---|---:|---:|---:|"]
   for r in rows:
-    lines.append(f"| {r['nodes']} | {r['algorithm']} | {_rng(r['machine_idle'], 100, 0)}% | "
-                 f"{_rng(r['cpu_share'], 100, 0)}% | "
-                 f"{_rng(r['link_busy'], 100, 0) if r['link_busy'] else '-'}% |")
+    lines.append(f"| {r['nodes']} | {r['algorithm']} | {spread(r['machine_idle'], 0, 100)}% | "
+                 f"{spread(r['cpu_share'], 0, 100)}% | "
+                 f"{spread(r['link_busy'], 0, 100) if r['link_busy'] else '-'}% |")
   lines += ["", f"A step on this cluster (seconds, median run): the compute wait "
             f"({m['compute_ms']} ms) + select + exchange + apply; `full` is the library's whole "
             "exchange (exchange + apply) in one program. select and apply are local work that "

@@ -51,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/node_scaling.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(HERE))
 
-from experiments.results_io import command_line, portable_path, write_results  # noqa: E402
+from experiments.results_io import command_line, portable_path, spread, write_results  # noqa: E402
 from experiments.scaling_model import GPU_SOURCES, GPUS, SOURCES, gpu_cluster  # noqa: E402
 from sparsejax import cost  # noqa: E402
 
@@ -187,12 +187,6 @@ def project() -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- report
 
-def _rng(vals, digits=2):
-  vals = sorted(vals)
-  return (f"{vals[0]:.{digits}f}" if len(vals) == 1 else
-          f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}")
-
-
 def tables(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any],
            command: str) -> str:
   m, p = scale["meta"], cal["params"]
@@ -210,7 +204,7 @@ def tables(cal: dict[str, Any], proj: list[dict[str, Any]], scale: dict[str, Any
            "| nodes | algorithm | measured s (runs min / median / max) | model s | error | "
            "held out |", "|---:|---|---:|---:|---:|---|"]
   for r in sorted(cal["rows"], key=lambda r: (r["algorithm"], r["nodes"])):
-    lines.append(f"| {r['nodes']} | {r['algorithm']} | {_rng(r['runs_s'], 3)} | "
+    lines.append(f"| {r['nodes']} | {r['algorithm']} | {spread(r['runs_s'], 3)} | "
                  f"{r['predicted_s']:.3f} | {r['error']:+.0%} | "
                  f"{'yes' if r['held_out'] else 'fit'} |")
   lines += ["", f"### 2. Projection: exchange and step, fp32 gradients, density {DENSITY} for "

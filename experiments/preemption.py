@@ -43,7 +43,7 @@ if not __package__:  # run as `python experiments/preemption.py`: import from th
   sys.path.insert(0, ROOT)
 
 from experiments.bench_failover import TOKEN, TimedLog, _pids  # noqa: E402
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, spread, write_results  # noqa: E402
 
 DEFAULT_SETS = ["batch_size=240", "checkpoint_every_steps=24", "log_every_steps=6",
                 "eval_every_steps=12"]
@@ -173,15 +173,6 @@ def _lost_time(out: TimedLog, seen: dict[str, Any]) -> dict[str, Any]:
                             if None not in (kill_step, resume_step, step_s) else None)}
 
 
-def _rng(vals, digits=1, scale=1.0) -> str:
-  vals = sorted(v * scale for v in vals if v is not None)
-  if not vals:
-    return "-"
-  if len(vals) == 1:
-    return f"{vals[0]:.{digits}f}"
-  return f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}"
-
-
 def make_table(results: dict[str, Any]) -> str:
   m = results["meta"]
   whole = [r for r in results["runs"] if not r["lose"]]
@@ -193,10 +184,10 @@ def make_table(results: dict[str, Any]) -> str:
            "| runs | time to target s | whole run s | final accuracy | steps |",
            "|---|---:|---:|---:|---:|"]
   for name, rows in (("uninterrupted", whole), ("a node lost", lost)):
-    lines.append(f"| {name} | {_rng([r['target_s'] for r in rows])} | "
-                 f"{_rng([r['end_s'] for r in rows])} | "
-                 f"{_rng([r['final_accuracy'] for r in rows], 4)} | "
-                 f"{_rng([r['steps'] for r in rows], 0)} |")
+    lines.append(f"| {name} | {spread([r['target_s'] for r in rows], 1)} | "
+                 f"{spread([r['end_s'] for r in rows], 1)} | "
+                 f"{spread([r['final_accuracy'] for r in rows], 4)} | "
+                 f"{spread([r['steps'] for r in rows], 0)} |")
   lines += ["", "What the lost node cost (s): detection (kill -> the launcher's line), restart "
             "(-> the resumed run training again, its first steps' time taken out), the steps "
             "trained again since the checkpoint:", "",
@@ -204,10 +195,10 @@ def make_table(results: dict[str, Any]) -> str:
             "|---:|---:|---:|---:|---:|"]
   total = [None if None in (r["detect_s"], r["restart_s"], r["steps_again_s"]) else
            r["detect_s"] + r["restart_s"] + r["steps_again_s"] for r in lost]
-  lines.append(f"| {_rng([r['detect_s'] for r in lost], 2)} | "
-               f"{_rng([r['restart_s'] for r in lost])} | "
-               f"{_rng([r['steps_again'] for r in lost], 0)} | "
-               f"{_rng([r['steps_again_s'] for r in lost])} | {_rng(total)} |")
+  lines.append(f"| {spread([r['detect_s'] for r in lost], 2)} | "
+               f"{spread([r['restart_s'] for r in lost], 1)} | "
+               f"{spread([r['steps_again'] for r in lost], 0)} | "
+               f"{spread([r['steps_again_s'] for r in lost], 1)} | {spread(total, 1)} |")
   lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
             f"date: {m['date']}."]
   return "\n".join(lines)

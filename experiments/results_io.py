@@ -52,6 +52,18 @@ def command_line(script: str, argv: Sequence[str]) -> str:
   return " ".join(words)
 
 
+def spread(values, digits: int = 2, scale: float = 1.0) -> str:
+  """`min / median / max` of the values that are not None (times `scale`), one value alone,
+  "-" for none: how every table here gives figures over separate runs."""
+  import statistics
+  vals = sorted(v * scale for v in values if v is not None)
+  if not vals:
+    return "-"
+  if len(vals) == 1:
+    return f"{vals[0]:.{digits}f}"
+  return f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}"
+
+
 def write_atomic(path: str, text: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:

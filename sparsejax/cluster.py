@@ -678,6 +678,8 @@ def launch(argv: Sequence[str], *, nodes: int, procs_per_node: int, devices_per_
   with contextlib.ExitStack() as stack:
     if rate is not None:
       job.cluster = stack.enter_context(EmulatedCluster(nodes, rate))
+      print(f"sparsejax launch: emulated cluster {job.cluster.prefix}: {nodes} nodes, links "
+            f"{bandwidth} (namespaces {job.cluster.prefix}-*)", file=out or sys.stdout, flush=True)
     if threading.current_thread() is threading.main_thread():
       # a SIGTERM to the launcher stops and cleans up like Ctrl-C
       stack.callback(signal.signal, signal.SIGTERM,

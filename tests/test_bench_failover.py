@@ -3,6 +3,7 @@ trial end to end, and the table from given trials."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -26,7 +27,9 @@ def test_one_trial_end_to_end(tmp_path):
   md = out.with_suffix(".md").read_text()
   assert "| last node (rank 1) | SIGKILL | launcher |" in md
   assert "Command: `python experiments/bench_failover.py --nodes 2" in md
-  assert cluster.EmulatedCluster.leftovers("sjx") == []
+  [built] = [line for line in trial["launcher_lines"] if " emulated cluster " in line]
+  prefix = re.search(r"emulated cluster (\w+): ", built).group(1)
+  assert cluster.EmulatedCluster.leftovers(prefix + "-") == []
 
 
 def test_the_table_gives_min_median_max_over_runs():

@@ -18,6 +18,7 @@ import uuid
 import numpy as np
 import pytest
 
+from experiments.bench_failover import _running
 from sparsejax import cli, cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +39,12 @@ def _need_root():
     pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
 
 
-def _sparsejax_namespaces() -> list[str]:
-  return cluster.EmulatedCluster.leftovers("sjx")
+def _namespaces_left(launch_output: str) -> list[str]:
+  """The namespaces still there of the cluster a launch built (its prefix is in its output;
+  other tests' clusters, running beside this one under xdist, are not this test's concern)."""
+  found = re.search(r"sparsejax launch: emulated cluster (\w+): ", launch_output)
+  assert found, launch_output[-3000:]
+  return cluster.EmulatedCluster.leftovers(found.group(1) + "-")
 
 
 def read_losses(path):
@@ -98,7 +103,8 @@ def test_emulated_cluster_limits_links_and_leaves_nothing_behind():
   _need_root()
   with cluster.EmulatedCluster(2, cluster.parse_rate("200mbit")) as c:
     prefix = c.prefix
-    assert sorted(_sparsejax_namespaces()) == sorted([c.bridge_ns, c.ns(0), c.ns(1)])
+    assert sorted(cluster.EmulatedCluster.leftovers(prefix + "-")) == sorted(
+        [c.bridge_ns, c.ns(0), c.ns(1)])
     qdisc = subprocess.run(c.exec_prefix(1) + ["tc", "qdisc", "show", "dev", "eth0"],
                            capture_output=True, text=True).stdout
     assert "tbf" in qdisc and "200Mbit" in qdisc
@@ -152,7 +158,7 @@ def test_launch_in_an_emulated_cluster_all_reduces_across_nodes():
   assert rc == 0, text[-3000:]
   for rank in range(4):  # every process saw all 8 devices of the 4 processes: 2*(1+2+3+4)
     assert f"[{rank}] all-reduce over 8 devices of 4 processes: 20 (expected 20)" in text
-  assert _sparsejax_namespaces() == []
+  assert _namespaces_left(text) == []
 
 
 GLOO_IDLE_WORKER = """
@@ -194,7 +200,7 @@ def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
   assert pinned and free, text[-3000:]
   assert int(pinned.group(1)) >= 1
   assert int(free.group(1)) == 0
-  assert _sparsejax_namespaces() == []
+  assert _namespaces_left(text) == []
 
 
 @pytest.mark.parametrize("procs_per_node, victim, how, lost_grace_s", [
@@ -239,16 +245,7 @@ def test_a_lost_process_stops_the_others_and_the_cluster_is_removed(procs_per_no
   assert f"lost rank {victim}" in text
   if lost_grace_s > 5:  # nobody needed the launcher's SIGKILL: they noticed by themselves
     assert "SIGKILL after the 10 s grace: none" in text, text[-3000:]
-  assert _sparsejax_namespaces() == []
-
-
-def _running(pid: int) -> bool:
-  """Whether `pid` is a live process (a zombie, exited but not yet waited for, is not)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
+  assert _namespaces_left(text) == []
 
 
 def _launched_pid(rank: int, token: str | None = None) -> int:
@@ -316,7 +313,7 @@ def test_an_elastic_launch_goes_on_without_a_lost_node(tmp_path):
   after = text.split("restart 1 (of at most 3)")[1]
   assert "[0] world 2 sum 2 restart 1" in after and "[1] world 2 sum 2 restart 1" in after
   assert "[2] " not in after
-  assert _sparsejax_namespaces() == []
+  assert _namespaces_left(text) == []
 
 
 def test_a_restarted_train_is_told_the_node_count():
@@ -416,10 +413,10 @@ def test_killed_run_resumes_from_its_last_checkpoint_in_an_emulated_cluster(tmp_
   os.kill(_launched_pid(rank=1), signal.SIGKILL)
   worker.join(120)
   assert result["rc"] != 0 and "lost rank 1" in out.getvalue()
-  out = io.StringIO()
+  killed_run, out = out.getvalue(), io.StringIO()
   assert cluster.launch(["train", QUICKSTART, "--workdir", str(tmp_path / "killed"), *overrides],
                         nodes=2, procs_per_node=1, devices_per_proc=4, bandwidth="1gbit",
                         out=out) == 0, out.getvalue()[-3000:]
   np.testing.assert_allclose(read_losses(tmp_path / "killed" / "train.csv"),
                              read_losses(tmp_path / "full" / "train.csv"), rtol=1e-5)
-  assert _sparsejax_namespaces() == []
+  assert _namespaces_left(killed_run) == [] and _namespaces_left(out.getvalue()) == []
