@@ -31,7 +31,7 @@ ROOT = os.path.dirname(HERE)
 if not __package__:
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, portable_path, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, portable_path, spread, write_results  # noqa: E402
 
 
 def leaf_names(layout, tree_like) -> list[str]:
@@ -102,8 +102,7 @@ def make_table(results: dict) -> str:
     ratio = row["sent_share"] / row["model_share"]
     lines.append(f"| {row['tensor']} | {row['size']:,} | {spread(row['window_coverage'], 3)} | "
                  f"{row['sent_per_step']:.1f} | {ratio:.2f} |")
-  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+  lines += ["", footer(m)]
   return "\n".join(lines)
 
 

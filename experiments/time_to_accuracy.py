@@ -66,7 +66,7 @@ if not __package__:  # run as `python experiments/time_to_accuracy.py`: import f
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import launch_workers  # noqa: E402
-from experiments.results_io import command_line, portable_path, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, portable_path, write_results  # noqa: E402
 from experiments.torch_peer import TorchRun, torch_mlp  # noqa: E402, F401 (the peer's runner)
 
 NODES = 2
@@ -648,8 +648,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
         lines.append(f"| {system} | {e['unlimited_step_s'] * 1e3:.1f} | "
                      f"{100 * e['exchange_share_unlimited']:.0f}% |")
   m = results["meta"]
-  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+  lines += ["", footer(m)]
   return "\n".join(lines)
 
 
