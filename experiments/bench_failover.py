@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 if not __package__:  # run as `python experiments/bench_failover.py`: import from this checkout
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
 
 TOKEN = "SPARSEJAX_FAILOVER_TOKEN"  # in the environment of one trial's processes
 MODES = {"launcher": 2.0, "self": 60.0}  # the launcher's grace between SIGTERM and SIGKILL
@@ -214,8 +214,7 @@ def make_table(results: dict) -> str:
   lines += ["", "Modes: launcher = SIGTERM to the others when the launcher sees the loss, SIGKILL "
             f"{MODES['launcher']:g} s later; self = a {MODES['self']:g} s grace, so the others "
             "end by what they notice themselves (gloo's error, the heartbeat timeout).", "",
-            f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+            footer(m)]
   return "\n".join(lines)
 
 

@@ -59,7 +59,7 @@ if not __package__:  # run as `python experiments/bench_scale.py`: import from t
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import SIZES, launch_workers  # noqa: E402
-from experiments.results_io import command_line, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
 
 ALGORITHMS = ("allgather", "gtopk", "dense")
 PHASES = ("select", "exchange", "apply", "full")
@@ -361,8 +361,7 @@ def make_tables(results: dict, rows: list[dict]) -> str:
     lines.append(f"| {r['nodes']} | {r['algorithm']} | {med['select']:.3f} | "
                  f"{med['exchange']:.3f} | {med['apply']:.3f} | {med['full']:.3f} | "
                  f"{step:.3f} |")
-  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+  lines += ["", footer(m)]
   return "\n".join(lines)
 
 

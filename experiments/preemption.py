@@ -43,7 +43,7 @@ if not __package__:  # run as `python experiments/preemption.py`: import from th
   sys.path.insert(0, ROOT)
 
 from experiments.bench_failover import TOKEN, TimedLog, _pids  # noqa: E402
-from experiments.results_io import command_line, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
 
 DEFAULT_SETS = ["batch_size=240", "checkpoint_every_steps=24", "log_every_steps=6",
                 "eval_every_steps=12"]
@@ -199,8 +199,7 @@ def make_table(results: dict[str, Any]) -> str:
                f"{spread([r['restart_s'] for r in lost], 1)} | "
                f"{spread([r['steps_again'] for r in lost], 0)} | "
                f"{spread([r['steps_again_s'] for r in lost], 1)} | {spread(total, 1)} |")
-  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+  lines += ["", footer(m)]
   return "\n".join(lines)
 
 

@@ -64,6 +64,12 @@ def spread(values, digits: int = 2, scale: float = 1.0) -> str:
   return f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}"
 
 
+def footer(meta: dict) -> str:
+  """The line every result table ends with: its command, machine and date (from `meta`)."""
+  return (f"Command: `{meta['command']}`; machine: {meta['machine']} ({meta['cpus']} cores); "
+          f"date: {meta['date']}.")
+
+
 def write_atomic(path: str, text: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path + ".tmp", "w") as f:

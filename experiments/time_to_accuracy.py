@@ -6,11 +6,14 @@ train the same model on the same data with the same recipe to the same target te
       [--headline 1gbit] [--seeds 3] [--phases parity,runs] [--quick]
       [--out experiments/results/time_to_accuracy.json]
 
-The task is a `sparsejax train` config (model, data.name, data.path, recipe, target_metric and
-target_value, eval_every_steps) with the same `--set` keys; each system only changes
-`compression.*`. The PyTorch peer builds the same MLP (layer widths `model.hidden`, the same
-initialisation), reads the same batches of the same data (sparsejax's inputs for each step), and
-uses the same learning-rate schedule, momentum, Nesterov flag and weight decay (kernels only).
+The task is a `sparsejax train` config (model, data.name, data.path, recipe, target_metric:
+accuracy, or loss reached at or below, and target_value, eval_every_steps) with the same `--set`
+keys; each system only changes `compression.*` (a system name may add its own overrides:
+"hitopk-0.01+compression.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
+configs/tta_kjv_lm.py (a Transformer LM, AdamW). The PyTorch peer (experiments/torch_peer.py)
+builds the same model (`mlp` or `transformer_lm`, the same initialisation), reads the same batches
+of the same data (sparsejax's inputs for each step), and uses the same learning-rate schedule,
+optimizer and weight decay (kernels only).
 
 The cluster (link-bound by design): 2 nodes (`EmulatedCluster`, a network namespace each, tc tbf
 on both ends of each node's link), one process per node pinned to its own core (this machine has
@@ -63,7 +66,8 @@ if not __package__:  # run as `python experiments/time_to_accuracy.py`: import f
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import launch_workers  # noqa: E402
-from experiments.results_io import command_line, portable_path, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, portable_path, write_results  # noqa: E402
+from experiments.torch_peer import TorchRun, torch_mlp  # noqa: E402, F401 (the peer's runner)
 
 NODES = 2
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
@@ -76,6 +80,16 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "compression.density": 0.001}),
     "hitopk-0.01": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01}),
     "hitopk-0.001": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001}),
+    "hitopk-0.05": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.05}),
+    # a longer density warm-up (half the Transformer's recipe; from 0.2, a level of 0.05's, so
+    # no step runs at the 0.8 level that 0.25 rounds up to)
+    "hitopk-0.05-w0.5": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.05,
+                                 "compression.warmup_epochs": 0.5,
+                                 "compression.warmup_density": 0.2}),
+    # AdamW's momentum correction: each worker's Adam moments before selection (Adam directions
+    # are the candidates), AdamW's decay and learning rate after the exchange
+    "hitopk-0.01-ac": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01,
+                               "compression.momentum_correction": True}),
     # with DGC's momentum correction (the velocity accumulated before selection; without
     # masking, sent plus kept is exactly momentum SGD's update): the optimizer runs without
     # momentum of its own
@@ -111,13 +125,27 @@ PEERS_INSTALL = "pip install -e '.[peers]' torch==2.13.0"
 
 # ----------------------------------------------------------------------------- shared set-up
 
+def system_spec(name: str) -> tuple[str, dict[str, Any]]:
+  """(runtime, options) of a system: a name of SYSTEMS, optionally followed by `+key=value`
+  config overrides of its own (a variant: "hitopk-0.01+compression.balance=tensor")."""
+  base, *extra = name.split("+")
+  if base not in SYSTEMS:
+    raise ValueError(f"unknown system {base!r}; allowed: {', '.join(SYSTEMS)} (each optionally "
+                     "followed by +key=value overrides)")
+  runtime, options = SYSTEMS[base]
+  bad = [e for e in extra if "=" not in e]
+  if bad or (extra and runtime != "jax"):
+    raise ValueError(f"system {name!r}: overrides are +key=value, for sparsejax systems only")
+  return runtime, {**options, **dict(e.split("=", 1) for e in extra)}
+
+
 def load_task(config_path: str, sets: list[str], system: str | None = None,
               seed: int | None = None):
   """The validated config of the task (`--config` + `--set`), with `system`'s overrides."""
   from sparsejax.train import config as config_lib
   overrides = list(sets)
-  if system is not None and SYSTEMS[system][0] == "jax":
-    overrides += [f"{k}={v}" for k, v in SYSTEMS[system][1].items()]
+  if system is not None and system_spec(system)[0] == "jax":
+    overrides += [f"{k}={v}" for k, v in system_spec(system)[1].items()]
   elif system is not None:  # the PyTorch peer's all-reduce is dense
     overrides.append("compression.algorithm=dense")
   if seed is not None:
@@ -131,11 +159,11 @@ def model_size(config, inputs=None) -> int:
   import jax
 
   from sparsejax import data as data_lib
-  from sparsejax import models
+  from sparsejax.train.state import build_model
   inputs = inputs or data_lib.open_inputs(config)
-  model = models.build(config.model.name, num_classes=inputs.num_classes,
-                       **({"hidden": tuple(config.model.hidden)} if config.model.hidden else {}))
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), inputs.example(None)))
+  model = build_model(config, inputs.num_classes)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), inputs.example(None),
+                                             train=False))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
 
 
@@ -224,99 +252,13 @@ class JaxRun:
                                      opt_state=opt._replace(inner_state=inner))
 
 
-class TorchRun:
-  """One process's share of the PyTorch DDP peer: the same MLP, batches, schedule and decay."""
-
-  def __init__(self, config, rank: int, world: int, powersgd: bool, distributed: bool = True):
-    import torch
-    import torch.distributed as dist
-
-    from sparsejax import data as data_lib
-    from sparsejax.train import schedules
-    if config.model.name != "mlp":
-      raise ValueError(f"the PyTorch peer builds model 'mlp' only, got {config.model.name!r}")
-    torch.set_num_threads(1)
-    torch.manual_seed(config.seed)
-    self.torch, self.rank, self.world = torch, rank, world
-    self.data = data_lib.open_inputs(config)
-    self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
-    hidden = tuple(config.model.hidden) or (1024, 1024)
-    in_dim = int(np.prod(self.data.example(None).shape[1:]))
-    model = torch_mlp(in_dim, hidden, self.data.num_classes)
-    if distributed:
-      model = torch.nn.parallel.DistributedDataParallel(model)
-      if powersgd:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
-        model.register_comm_hook(state, ps.powerSGD_hook)
-    self.model, self.dist = model, dist
-    o = config.optimizer
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    rest = [p for p in model.parameters() if p.dim() <= 1]
-    self.opt = torch.optim.SGD([{"params": decay, "weight_decay": o.weight_decay},
-                                {"params": rest, "weight_decay": 0.0}],
-                               lr=o.learning_rate, momentum=o.momentum, nesterov=o.nesterov)
-    lr = schedules.learning_rate(o, self.data.steps_per_epoch, self.total)
-    self.lrs = [float(lr(s)) for s in range(self.total)]
-
-  def step(self, step: int, wait: bool = True, level_step: int | None = None) -> float:
-    del level_step  # dense: one level
-    torch = self.torch
-    images, labels = self.data.train_batch(step, None)
-    share = len(labels) // self.world
-    rows = slice(self.rank * share, (self.rank + 1) * share)
-    x = torch.from_numpy(np.ascontiguousarray(images[rows]).reshape(share, -1))
-    y = torch.from_numpy(labels[rows].astype(np.int64))
-    for group in self.opt.param_groups:
-      group["lr"] = self.lrs[min(step, self.total - 1)]
-    loss = torch.nn.functional.cross_entropy(self.model(x), y)
-    self.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    self.opt.step()
-    return loss.item()
-
-  def wait(self) -> None:
-    pass  # every PyTorch step is synchronous on the CPU
-
-  def evaluate(self) -> dict[str, float]:
-    torch = self.torch
-    correct = count = 0.0
-    with torch.no_grad():
-      for images, labels, weights in self.data.eval_batches(None):
-        logits = self.model(torch.from_numpy(np.ascontiguousarray(images).reshape(
-            len(images), -1)))
-        hit = (logits.argmax(-1).numpy() == labels).astype(np.float64)
-        correct += float(np.sum(hit * weights))
-        count += float(np.sum(weights))
-    return {"accuracy": correct / count}
-
-
-def torch_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int):
-  """`sparsejax.models.MLP` in PyTorch, with flax's initialisation (kernels: truncated normal,
-  variance 1/fan_in, i.e. lecun_normal; biases zero)."""
-  import torch
-  from torch import nn
-  layers: list[nn.Module] = []
-  widths = (in_dim, *hidden, num_classes)
-  for i in range(len(widths) - 1):
-    lin = nn.Linear(widths[i], widths[i + 1])
-    std = 1.0 / math.sqrt(widths[i]) / 0.87962566103423978  # truncated at 2 std, as flax
-    nn.init.trunc_normal_(lin.weight, std=std, a=-2 * std, b=2 * std)
-    nn.init.zeros_(lin.bias)
-    layers.append(lin)
-    if i < len(widths) - 2:
-      layers.append(nn.ReLU())
-  return torch.nn.Sequential(*layers)
-
-
 # ----------------------------------------------------------------------------- workers
 
 def _worker_setup(args):
   """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core."""
   rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
   pin_to_core(rank)
-  runtime, options = SYSTEMS[args.system]
+  runtime, options = system_spec(args.system)
   config = load_task(args.config, json.loads(args.sets), args.system, args.seed)
   if runtime == "jax":
     from sparsejax import cluster
@@ -369,7 +311,7 @@ def train_phase(config, run) -> list[dict]:
       sent = _link_bytes() - sent0
       metrics = run.evaluate()
       curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
-                    "accuracy": metrics["accuracy"]})
+                    **{k: metrics[k] for k in ("accuracy", "loss") if k in metrics}})
       _barrier(run)
       seg = time.perf_counter()
   return curve
@@ -456,7 +398,7 @@ def _exclusive(path: str | None):
 def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict]:
   argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
           *extra]
-  runtime = SYSTEMS[system][0]
+  runtime = system_spec(system)[0]
   local = load_task(args.config, args.sets).mesh.local
   with _exclusive(args.lock):
     return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
@@ -540,9 +482,16 @@ def parse_bandwidths(text: str) -> list[tuple[str, int | None]]:
 
 # ----------------------------------------------------------------------------- analysis
 
-def steps_to_target(curve: list[dict], target: float) -> dict | None:
-  """The first evaluation at or above `target` (None if never)."""
-  return next((p for p in curve if p["accuracy"] >= target), None)
+def steps_to_target(curve: list[dict], target: float, metric: str = "accuracy") -> dict | None:
+  """The first evaluation that reaches `target` (accuracy: at or above; loss: at or below),
+  None if none does."""
+  from sparsejax.train.config import target_reached
+  return next((p for p in curve if target_reached(metric, p[metric], target)), None)
+
+
+def target_metric(results: dict) -> str:
+  """The eval metric the study's target is on (results written before it was stored: accuracy)."""
+  return results["meta"].get("target_metric", "accuracy")
 
 
 def analyse(results: dict, target: float) -> dict:
@@ -550,19 +499,20 @@ def analyse(results: dict, target: float) -> dict:
   to target at every swept bandwidth (per seed: steps per level x median step time)."""
   out: dict[str, Any] = {}
   sweep = results.get("sweep", [])
+  metric = target_metric(results)
   for system in results["systems"]:
     runs = [r for r in results.get("train", []) if r["system"] == system]
     if not runs:
       continue
     seeds = []
     for r in runs:
-      hit = steps_to_target(r["curve"], target)
-      seeds.append({"seed": r["seed"], "final_accuracy": r["curve"][-1]["accuracy"],
+      hit = steps_to_target(r["curve"], target, metric)
+      seeds.append({"seed": r["seed"], "final": r["curve"][-1][metric],
                     "steps_to_target": hit["step"] if hit else None,
                     "train_time_to_target_s": hit["train_time_s"] if hit else None,
                     "node0_link_bytes_to_target": hit["node0_link_bytes"] if hit else None,
                     "levels_to_target": r.get("levels_to_target")})
-    entry = {"seeds": seeds, "final_accuracy": [s["final_accuracy"] for s in seeds]}
+    entry = {"seeds": seeds, "final": [s["final"] for s in seeds]}
     by_bw: dict[str, dict] = {}
     for row in (x for x in sweep if x["system"] == system):
       by_bw.setdefault(row["bandwidth"], {}).setdefault(row["density"], []).append(row["step_s"])
@@ -626,6 +576,12 @@ def _fmt_range(values: list[float | None], scale: float = 1.0, digits: int = 1) 
   return text + (f" ({missing} not reached)" if missing else "")
 
 
+def _times(ratios: list[float]) -> str:
+  """Speed-ups as `min / median / max` followed by x; "not reached" when there are none."""
+  text = _fmt_range(ratios, digits=2)
+  return text if text == "not reached" else text + "x"
+
+
 def make_tables(results: dict, analysis: dict, headline: str) -> str:
   """The markdown tables: parity, the training runs at the headline, the bandwidth sweep."""
   lines = []
@@ -641,12 +597,13 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
               f"| sparsejax (XLA:CPU) | {p['jax']['layout']} | {_fmt_range(jax_ms)} | "
               f"{_fmt_range(ratios, digits=2)} |",
               f"| PyTorch | {p['torch']['layout']} | {_fmt_range(torch_ms)} | - |", ""]
+  metric = target_metric(results)
   if analysis:
     lines += [f"Training at {headline} (seeds: min / median / max; evaluation time "
               "excluded; measured / predicted: the train time to target over the sum of the "
               "swept step times):", "",
               "| system | steps to target | train time to target s | measured / predicted | "
-              "node-0 link MB to target | final accuracy |", "|---|---:|---:|---:|---:|---:|"]
+              f"node-0 link MB to target | final {metric} |", "|---|---:|---:|---:|---:|---:|"]
     for system, e in analysis.items():
       s = e["seeds"]
       check = e.get("measured_over_predicted_at_headline", [None])
@@ -654,7 +611,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
                    f"{_fmt_range([x['train_time_to_target_s'] for x in s])} | "
                    f"{_fmt_range(check, digits=2)} | "
                    f"{_fmt_range([x['node0_link_bytes_to_target'] for x in s], 1e-6)} | "
-                   f"{_fmt_range(e['final_accuracy'], digits=4)} |")
+                   f"{_fmt_range(e['final'], digits=4)} |")
     bws = [b for b, _ in parse_bandwidths(results["meta"]["bandwidths"])]
     have = [b for b in bws if any(b in e["predicted_time_to_target_s"] for e in analysis.values())]
     if have:
@@ -680,7 +637,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
         for system, by in ups.items():
           if system != over:
             lines.append(f"| {system} | " + " | ".join(
-                _fmt_range(by.get(b, []), digits=2) + "x" for b in have) + " |")
+                _times(by.get(b, [])) for b in have) + " |")
     shares = {s: e for s, e in analysis.items() if "exchange_share_unlimited" in e}
     if shares:
       lines += ["", "At an unlimited link: step time at the final density, and the share of it "
@@ -691,8 +648,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
         lines.append(f"| {system} | {e['unlimited_step_s'] * 1e3:.1f} | "
                      f"{100 * e['exchange_share_unlimited']:.0f}% |")
   m = results["meta"]
-  lines += ["", f"Command: `{m['command']}`; machine: {m['machine']} ({m['cpus']} cores); "
-            f"date: {m['date']}."]
+  lines += ["", footer(m)]
   return "\n".join(lines)
 
 
@@ -742,7 +698,9 @@ def plot(results: dict, analysis: dict, png: str) -> None:
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("inter-node link, Gbit/s (rightmost: unlimited)")
-  ax.set_ylabel(f"time to test accuracy {results['meta']['target']} (s, median of seeds)")
+  what = {"accuracy": "test accuracy", "loss": "validation loss"}.get(target_metric(results),
+                                                                     target_metric(results))
+  ax.set_ylabel(f"time to {what} {results['meta']['target']} (s, median of seeds)")
   ax.set_title(f"Time to target on 2 emulated nodes: {results['meta']['task']}\n"
                f"(steps to target at {results['meta']['headline']} x step time measured at each "
                "link)", fontsize=10)
@@ -824,13 +782,15 @@ def drive(ap, args) -> int:
     args.bandwidths, args.headline = "unlimited,200mbit", "200mbit"
     args.seeds, args.parity_runs, args.reps, args.warmup = 1, 1, 3, 1
   systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
-  bad = [s for s in systems if s not in SYSTEMS]
-  if bad:
-    ap.error(f"unknown system(s) {bad}; allowed: {', '.join(SYSTEMS)}")
+  for system in systems:
+    try:
+      system_spec(system)
+    except ValueError as e:
+      ap.error(str(e))
   phases = [p.strip() for p in args.phases.split(",")]
   if not set(phases) <= {"parity", "runs"}:
     ap.error(f"--phases must be a subset of parity,runs, got {args.phases!r}")
-  torch_needed = [s for s in systems if SYSTEMS[s][0] == "torch"] + (
+  torch_needed = [s for s in systems if system_spec(s)[0] == "torch"] + (
       ["the parity phase"] if "parity" in phases else [])
   if torch_needed and importlib.util.find_spec("torch") is None:
     ap.error(f"{', '.join(torch_needed)} need PyTorch, which is not installed: {PEERS_INSTALL} "
@@ -847,8 +807,9 @@ def drive(ap, args) -> int:
   if config.mesh.nodes != NODES:
     ap.error(f"the study runs on {NODES} emulated nodes; the config says mesh.nodes = "
              f"{config.mesh.nodes}")
-  if not config.target_metric or config.target_metric != "accuracy":
-    ap.error("the config must set target_metric = 'accuracy' and target_value")
+  if config.target_metric not in ("accuracy", "loss"):
+    ap.error(f"the config must set target_metric = 'accuracy' or 'loss' (and target_value), "
+             f"got {config.target_metric!r}")
   from sparsejax import cluster
   from sparsejax import data as data_lib
   inputs = data_lib.open_inputs(config)
@@ -856,6 +817,7 @@ def drive(ap, args) -> int:
   total = max(1, math.ceil(config.num_epochs * steps_per_epoch))
   results: dict[str, Any] = {"systems": systems, "meta": {
       "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
+      "target_metric": config.target_metric,
       "config": portable_path(args.config), "sets": args.sets, "bandwidths": args.bandwidths,
       "headline": args.headline, "machine": platform.machine(), "cpus": os.cpu_count(),
       "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
@@ -883,7 +845,7 @@ def drive(ap, args) -> int:
             continue
           results["sweep"] += row.pop("sweep")
           dens = density_per_step(cfg, steps_per_epoch, total)
-          hit = steps_to_target(row["curve"], config.target_value)
+          hit = steps_to_target(row["curve"], config.target_value, config.target_metric)
           if hit:
             values, counts = np.unique(dens[:hit["step"]], return_counts=True)
             row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]

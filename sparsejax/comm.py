@@ -369,7 +369,8 @@ def gtopk_settle(values: jax.Array, indices: jax.Array, kept: Feedback, position
   velocity = kept.velocity
   if masking and velocity is not None:
     velocity = velocity.at[positions].set(0, mode="drop")
-  return total, Feedback(residual.at[positions].set(0, mode="drop"), velocity)
+  return total, kept._replace(residual=residual.at[positions].set(0, mode="drop"),
+                              velocity=velocity)
 
 
 def _gtopk_reduce(axes: str | tuple[str, ...]) -> Callable[..., tuple[jax.Array, Feedback]]:

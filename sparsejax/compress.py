@@ -23,12 +23,19 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from sparsejax import comm
 from sparsejax import topk as topk_lib
-from sparsejax.feedback import Feedback, feedback_select, init_feedback
+from sparsejax.feedback import (
+  AdamCorrection,
+  Feedback,
+  feedback_select,
+  init_feedback,
+  tensor_weights,
+)
 from sparsejax.flat import FlatLayout
 
 __all__ = ["ExchangeState", "TopKAllReduceState", "topk_allreduce", "dense_mean",
@@ -92,7 +99,7 @@ def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Arra
 
 
 def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: Any,
-                nesterov: bool, momentum_masking: Any) -> None:
+                nesterov: bool, momentum_masking: Any, adam: Any = None) -> None:
   if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
   if algorithm not in comm.ALGORITHMS:
@@ -107,6 +114,16 @@ def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: An
     raise ValueError("nesterov=True needs momentum > 0")
   if not isinstance(momentum_masking, bool):
     raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+  if adam is None:
+    return
+  if not isinstance(adam, AdamCorrection):
+    raise ValueError(f"adam must be a sparsejax.feedback.AdamCorrection or None, got {adam!r}")
+  if momentum or not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
+    raise ValueError(f"Adam correction needs a sparse algorithm {comm.SPARSE_ALGORITHMS} with "
+                     f"error feedback and no momentum, got algorithm={algorithm!r}, "
+                     f"error_feedback={error_feedback!r}, momentum={momentum!r}")
+  if not (0 <= adam.b1 < 1 and 0 <= adam.b2 < 1 and adam.eps > 0):
+    raise ValueError(f"Adam correction needs b1, b2 in [0, 1) and eps > 0, got {adam}")
 
 
 def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
@@ -182,9 +199,26 @@ def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
       x, node_axis=node_axis, local_axis=local_axis))
 
 
+def _balance_weights(part: jax.Array, feedback: Feedback, layout: FlatLayout, part_len: int,
+                     collective: comm.SparseCollective, segments: Any) -> jax.Array:
+  """`tensor_weights` of this worker's candidates: tensors are the leaves of the updates, or
+  `segments` (int ids of a flat buffer's elements); the hierarchical algorithms take shard i
+  of them (shard i of a node's buffer is worker i's)."""
+  ids = np.asarray(layout.segment_ids if segments is None else segments, np.int32)
+  if ids.shape[0] > layout.padded_size:
+    raise ValueError(f"segments has {ids.shape[0]} ids for a buffer of {layout.size} values")
+  count = int(ids.max(initial=0)) + 2  # the last id: padding
+  ids = np.concatenate([ids, np.full(layout.padded_size - ids.shape[0], count - 1, np.int32)])
+  seg = jnp.asarray(ids)
+  if collective.name in comm.HIERARCHICAL_ALGORITHMS:
+    seg = lax.dynamic_slice(seg, (lax.axis_index(collective.axes[-1]) * part_len,), (part_len,))
+  return tensor_weights(part + feedback.residual, seg, count)
+
+
 def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[float, ...],
             density_schedule: Callable | None, error_feedback: bool, momentum: float,
-            feedback_args: dict) -> optax.GradientTransformation:
+            feedback_args: dict, balance: str = "global", segments: Any = None
+            ) -> optax.GradientTransformation:
   """The mean through `collective`, `select`ing at one of `levels` per step, with error
   feedback (`feedback_select(..., **feedback_args)`) if `error_feedback`."""
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
@@ -196,7 +230,8 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
 
   def init_fn(params: Any) -> ExchangeState:
     part = shapes(params)[-1]
-    feedback = init_feedback(part, momentum) if error_feedback else None
+    feedback = (init_feedback(part, momentum, feedback_args.get("adam") is not None)
+                if error_feedback else None)
     return ExchangeState(feedback, jnp.zeros([], jnp.int32), jnp.float32(levels[0]),
                          jnp.zeros([], jnp.float32))
 
@@ -215,9 +250,15 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
         k = max(1, round(level * part_len))
         topk_lib.check_k(part, k)
         masking = feedback_args["masking"]
+        extra = {} if feedback_args.get("adam") is None else {
+            "count": state.count,  # each hierarchical shard sums its node's `local` gradients
+            "scale": local if collective.name in comm.HIERARCHICAL_ALGORITHMS else 1}
+        if balance == "tensor" and feedback is not None:
+          extra["weights"] = _balance_weights(part, feedback, layout, part_len, collective,
+                                              segments)
         values, indices, kept = feedback_select(
             part, feedback, k, select,
-            **{**feedback_args, "masking": masking and collective.reduce is None})
+            **{**feedback_args, "masking": masking and collective.reduce is None}, **extra)
         total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
         return total, kept if error_feedback else None
       return run
@@ -242,7 +283,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    error_feedback: bool = True,
                    density_schedule: Callable[[jax.Array], jax.Array] | None = None,
                    momentum: float = 0.0, nesterov: bool = False,
-                   momentum_masking: bool = True) -> optax.GradientTransformation:
+                   momentum_masking: bool = True, adam: AdamCorrection | None = None,
+                   balance: str = "global", segments: Any = None
+                   ) -> optax.GradientTransformation:
   """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
 
   Args:
@@ -277,6 +320,19 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     momentum_masking: with momentum correction, also zero the velocity where sent (DGC's
       momentum factor masking). False lets it run on: sent plus kept is then exactly what
       momentum SGD applies (better in sparsejax's convergence study, see the README).
+    adam: Adam correction, `AdamCorrection(b1, b2, eps)`: the worker's Adam moments run before
+      selection (the candidates are Adam directions; `sparsejax.feedback.adam_direction`), so
+      the returned mean is the workers' AdamW step without learning rate and decay: chain an SGD
+      without momentum whose weight decay is AdamW's (`optax.sgd(lr)` after
+      `optax.add_decayed_weights(wd)`). Excludes `momentum`.
+    balance: "global" (one top-k over the whole buffer) or "tensor": the candidates of each
+      tensor scaled by a power of two near 1 / their RMS before the one top-k, so each tensor
+      gets about its share of the k (a global top-k starves tensors whose gradients are small,
+      such as a Transformer's position embeddings); what is sent is unscaled. Plain error
+      feedback only.
+    segments: with balance="tensor" and updates that are already one flat buffer (sparsejax's
+      trainer), the tensor id of each of its elements (`FlatLayout.segment_ids`); default: the
+      leaves of the updates are the tensors.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with an `ExchangeState` (its update takes the
@@ -291,7 +347,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     ...                  optax.sgd(0.1, momentum=0.9))
     >>> # inside jax.pmap(..., axis_name="batch"): the same calls
   """
-  _check_args(density, algorithm, error_feedback, momentum, nesterov, momentum_masking)
+  _check_args(density, algorithm, error_feedback, momentum, nesterov, momentum_masking, adam)
+  if balance not in ("global", "tensor"):
+    raise ValueError(f"balance must be 'global' or 'tensor', got {balance!r}")
+  if balance == "tensor" and (momentum or adam is not None or not error_feedback):
+    raise ValueError("balance='tensor' works with plain error feedback (no momentum or Adam "
+                     "correction, error_feedback=True)")
   axes = _axes(algorithm, axis_name, node_axis, local_axis)
   select = topk_lib.get_selector(selector)
   if algorithm == "dense":
@@ -301,4 +362,5 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   collective = comm.sparse_collective(algorithm, axes)
   levels = density_levels(density) if density_schedule is not None else (float(density),)
   return _sparse(collective, select, levels, density_schedule, error_feedback, momentum,
-                 {"momentum": momentum, "nesterov": nesterov, "masking": momentum_masking})
+                 {"momentum": momentum, "nesterov": nesterov,
+                  "masking": momentum_masking and adam is None, "adam": adam}, balance, segments)

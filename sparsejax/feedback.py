@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from sparsejax import topk as topk_lib
 
-__all__ = ["Feedback", "init_feedback", "check_feedback", "feedback_select"]
+__all__ = ["Feedback", "AdamCorrection", "adam_direction", "tensor_weights", "init_feedback",
+           "check_feedback", "feedback_select"]
 
 Selector = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | str
 
@@ -39,11 +40,55 @@ class Feedback(NamedTuple):
 
   residual: jax.Array
   velocity: jax.Array | None = None
+  second: jax.Array | None = None
 
 
-def init_feedback(length: int, momentum: float = 0.0) -> Feedback:
-  """Zero memory for a buffer of `length` values (a velocity too where `momentum` > 0)."""
+class AdamCorrection(NamedTuple):
+  """Adam's moments accumulated per worker before selection (momentum correction for AdamW):
+  the candidates are the worker's Adam direction `m_hat / (sqrt(v_hat) + eps)`, so error
+  feedback delays whole Adam steps and a coordinate sent once in a while still moves as far as
+  AdamW would have moved it (plain error feedback in front of Adam shrinks a delayed sum to one
+  normalised step). Chain an SGD without momentum (its weight decay is AdamW's decoupled one).
+  With b1 = 0 the candidates are the gradient over the worker's sqrt(v_hat) (RMSprop's), and the
+  first moment is left to a momentum after the exchange (sparsejax's `adam_first_moment="after"`).
+  """
+
+  b1: float
+  b2: float
+  eps: float
+
+
+def adam_direction(x: jax.Array, feedback: Feedback, adam: AdamCorrection, count: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`(direction, m, v)`: the bias-corrected Adam direction of gradient `x` after `count`
+  earlier steps (optax.scale_by_adam's), and the new first and second moments."""
+  m = adam.b1 * feedback.velocity + (1 - adam.b1) * x
+  v = adam.b2 * feedback.second + (1 - adam.b2) * x * x
+  t = count.astype(jnp.float32) + 1
+  m_hat = m / (1 - adam.b1 ** t)
+  v_hat = v / (1 - adam.b2 ** t)
+  return m_hat / (jnp.sqrt(v_hat) + adam.eps), m, v
+
+
+def tensor_weights(candidates: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+  """float32 per-element weights 2^-round(log2(rms of the element's tensor)): scaled by them,
+  every tensor's candidates have an RMS near 1, so one global top-k takes about the same share
+  of each tensor's coordinates (`balance="tensor"`). Powers of two: scaling and unscaling are
+  exact. `segments`: int32 tensor id of each element (`FlatLayout.segment_ids`)."""
+  c = candidates.astype(jnp.float32)
+  sq = jax.ops.segment_sum(c * c, segments, num_segments)
+  n = jax.ops.segment_sum(jnp.ones_like(c), segments, num_segments)
+  rms = jnp.sqrt(sq / jnp.maximum(n, 1.0))
+  exponent = jnp.where(rms > 0, -jnp.round(jnp.log2(jnp.where(rms > 0, rms, 1.0))), 0.0)
+  return jnp.exp2(jnp.clip(exponent, -60, 60))[segments]
+
+
+def init_feedback(length: int, momentum: float = 0.0, adam: bool = False) -> Feedback:
+  """Zero memory for a buffer of `length` values (a velocity too where `momentum` > 0, both
+  Adam moments with `adam`)."""
   zeros = jnp.zeros(length, jnp.float32)
+  if adam:
+    return Feedback(zeros, jnp.zeros(length, jnp.float32), jnp.zeros(length, jnp.float32))
   return Feedback(zeros, jnp.zeros(length, jnp.float32) if momentum else None)
 
 
@@ -69,12 +114,18 @@ def check_feedback(feedback: Feedback | None, length: int, momentum: float) -> N
 
 def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
                     select: Selector = topk_lib.mstopk, *, momentum: float = 0.0,
-                    nesterov: bool = False, masking: bool = True
+                    nesterov: bool = False, masking: bool = True,
+                    adam: AdamCorrection | None = None, count: jax.Array | None = None,
+                    scale: float = 1.0, weights: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, Feedback]:
   """The k largest |candidates| of a 1-D buffer `x` and the memory for the next step.
 
   The candidates are `x + residual` (plain error feedback), `velocity + residual` with momentum
-  correction (`x + momentum * velocity + residual` with Nesterov), or `x` alone without memory.
+  correction (`x + momentum * velocity + residual` with Nesterov), `scale * adam_direction(x /
+  scale) + residual` with `adam` (the moments after `count` earlier steps; `scale`: how many
+  workers' gradients `x` sums, so the Adam direction is taken of their mean), or `x` alone
+  without memory. With `weights` (plain error feedback only; `tensor_weights`), the selection is
+  of the k largest |weights * candidates|; the values and the memory are the candidates' own.
 
   Returns:
     `(values, indices, Feedback)`: `values == candidates[indices]` (int32[k]); the new residual is
@@ -85,6 +136,15 @@ def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
     values, indices = topk_lib.get_selector(select)(x, k)
     return values, indices, Feedback(x.at[indices].set(0, unique_indices=True))
   dtype = feedback.residual.dtype
+  if adam is not None:
+    direction, m, v = adam_direction(x.astype(dtype) / scale, feedback, adam, count)
+    values, indices, residual = topk_lib.select_feedback(select, scale * direction,
+                                                         feedback.residual, k)
+    return values, indices, Feedback(residual, m, v)  # the moments run on (no masking)
+  if feedback.velocity is None and weights is not None:
+    values, indices, residual = topk_lib.select_feedback(
+        select, x.astype(dtype) * weights, feedback.residual * weights, k)
+    return values / weights[indices], indices, Feedback(residual / weights)
   if feedback.velocity is None:
     values, indices, residual = topk_lib.select_feedback(select, x.astype(dtype),
                                                          feedback.residual, k)

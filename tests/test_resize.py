@@ -86,6 +86,9 @@ def test_a_checkpoint_of_4_workers_resumes_on_2_and_on_8(tmp_path, algorithm):
     assert got.comm_state.feedback.residual.shape == like.comm_state.feedback.residual.shape
     new_padded = like.params.shape[0]
     for old_m, new_m in zip(fb, got.comm_state.feedback):
+      if old_m is None:  # no Adam moments in this chain
+        assert new_m is None
+        continue
       np.testing.assert_allclose(pending(np.asarray(new_m), new_padded)[:padded],
                                  pending(np.asarray(old_m), padded)[:new_padded],
                                  rtol=2e-6, atol=1e-7)

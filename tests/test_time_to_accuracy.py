@@ -141,3 +141,12 @@ def test_the_pytorch_peer_is_the_flax_mlp():
   flax_kernel = models.build("mlp", num_classes=10, hidden=(500,)).init(
       jax.random.key(1), np.zeros((1, 1000), np.float32))["params"]["hidden_0"]["kernel"]
   assert abs(float(np.std(np.asarray(flax_kernel))) * np.sqrt(1000) - 1.0) < 0.02
+
+
+def test_a_loss_target_is_reached_from_above():
+  curve = [{"step": 25, "loss": 6.1, "accuracy": 0.1}, {"step": 50, "loss": 4.6, "accuracy": 0.2},
+           {"step": 75, "loss": 4.4, "accuracy": 0.25}]
+  assert tta.steps_to_target(curve, 4.55, "loss")["step"] == 75
+  assert tta.steps_to_target(curve, 0.2, "accuracy")["step"] == 50
+  assert tta.steps_to_target(curve, 4.0, "loss") is None
+  assert tta.target_metric({"meta": {}}) == "accuracy"  # results written before it was stored

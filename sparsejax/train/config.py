@@ -17,7 +17,8 @@ import ml_collections
 
 from sparsejax import comm
 
-__all__ = ["default_config", "validate", "apply_overrides", "load_config"]
+__all__ = ["default_config", "validate", "apply_overrides", "load_config", "TARGET_METRICS",
+           "target_reached"]
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -36,7 +37,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.compression = _compression_defaults()
   c.log_every_steps = 10
   # Time to accuracy (DAWNBench): the wall time at which eval metric `target_metric` (e.g.
-  # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked.
+  # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked;
+  # "loss" is reached at or below the value, the accuracies at or above.
   c.target_metric = ""
   c.target_value = 0.0
   c.eval_at_stage_boundaries = False  # also evaluate where a resize stage ends
@@ -103,10 +105,19 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
       # DGC momentum correction: the SGD momentum (and weight decay) is accumulated before top-k
-      # selection instead of in the optimizer; optimizer sgd with momentum > 0 only. No effect
-      # with the dense algorithms (nothing is delayed there).
+      # selection instead of in the optimizer (optimizer sgd with momentum > 0); with adamw,
+      # each worker's Adam moments are (the candidates are Adam directions; the moments are
+      # never masked). No effect with the dense algorithms (nothing is delayed there).
       "momentum_correction": False,
       "momentum_masking": True,  # zero the velocity where sent (DGC); False: it runs on
+      # with adamw and momentum_correction: where Adam's first moment runs. "after": the
+      # exchange sends gradients over each worker's sqrt(second moment) (RMSprop-normalised,
+      # delayed sums keep their size) and the first moment is a momentum after it; "before":
+      # both moments per worker, the candidates are whole Adam directions.
+      "adam_first_moment": "after",
+      # "global": one top-k over the whole gradient; "tensor": each tensor's candidates scaled
+      # to an RMS near 1 first, so each gets about its share (plain error feedback only)
+      "balance": "global",
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
   })
@@ -159,6 +170,16 @@ def validate(config: Any) -> ml_collections.ConfigDict:
   return full
 
 
+# eval metrics a run can aim at ("" = none); "loss" is better lower, the others higher
+TARGET_METRICS = ("", "accuracy", "top5_accuracy", "loss")
+
+
+def target_reached(metric: str, value: float, target: float) -> bool:
+  """Whether eval `metric` at `value` has reached `target` (loss: at or below; else at or
+  above)."""
+  return value <= target if metric == "loss" else value >= target
+
+
 def _check_values(c: ml_collections.ConfigDict) -> None:
   def need(ok: bool, key: str, allowed: str) -> None:
     if not ok:
@@ -177,11 +198,19 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
   if c.compression.momentum_correction:
-    need(c.optimizer.name == "sgd" and 0 < c.optimizer.momentum < 1, "optimizer.name",
-         "sgd with optimizer.momentum in (0, 1) when compression.momentum_correction is True "
-         f"(optimizer.momentum = {c.optimizer.momentum!r})")
+    need((c.optimizer.name == "sgd" and 0 < c.optimizer.momentum < 1)
+         or c.optimizer.name == "adamw", "optimizer.name",
+         "sgd with optimizer.momentum in (0, 1), or adamw, when compression.momentum_correction "
+         f"is True (optimizer.momentum = {c.optimizer.momentum!r})")
     need(c.compression.error_feedback, "compression.error_feedback",
          "True when compression.momentum_correction is True")
+  need(c.compression.adam_first_moment in ("before", "after"), "compression.adam_first_moment",
+       "'before' or 'after'")
+  need(c.compression.balance in ("global", "tensor"), "compression.balance",
+       "'global' or 'tensor'")
+  if c.compression.balance == "tensor":
+    need(not c.compression.momentum_correction and c.compression.error_feedback,
+         "compression.balance", "'global' with momentum correction or without error feedback")
   need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
   need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
@@ -193,6 +222,8 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.data.seq_len >= 1, "data.seq_len", ">= 1")
   need(c.data.vocab_size >= 8, "data.vocab_size", ">= 8")
   need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
+  need(c.target_metric in TARGET_METRICS, "target_metric",
+       f"one of {', '.join(repr(m) for m in TARGET_METRICS)}")
   need(c.max_consecutive_skips >= 1, "max_consecutive_skips", ">= 1")
   stages = c.data.resize_schedule
   ok = all(isinstance(st, tuple | list) and len(st) == 2 and st[1] > 0 for st in stages)

@@ -116,8 +116,8 @@ class _Tally:
     """Keeps `metrics`; notes the time when the config's target metric is first reached."""
     self.evals.append((step, metrics))
     target = config.target_metric
-    if (target and self.time_to_target is None
-        and metrics.get(target, -np.inf) >= config.target_value):
+    if (target and self.time_to_target is None and target in metrics
+        and config_lib.target_reached(target, metrics[target], config.target_value)):
       self.time_to_target = {"metric": target, "value": metrics[target],
                              "target": config.target_value, "step": step,
                              "wall_time_s": self.wall_time_s()}

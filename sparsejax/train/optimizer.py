@@ -24,6 +24,7 @@ import optax
 from sparsejax import optim
 from sparsejax.comm import SPARSE_ALGORITHMS
 from sparsejax.compress import density_levels, level_index, topk_allreduce
+from sparsejax.feedback import AdamCorrection
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
@@ -73,15 +74,21 @@ def momentum_correction(config: Any) -> MomentumCorrection | None:
 
 
 def compressor(compression: Any, density_schedule: Callable | None = None,
-               correction: MomentumCorrection | None = None) -> optax.GradientTransformation:
-  """The exchange of the config's `compression` group (with momentum correction if given)."""
+               correction: MomentumCorrection | None = None,
+               adam: AdamCorrection | None = None, layout: FlatLayout | None = None
+               ) -> optax.GradientTransformation:
+  """The exchange of the config's `compression` group (with momentum or Adam correction if
+  given)."""
   c = compression
   corrected = {} if correction is None else {
       "momentum": correction.momentum, "nesterov": correction.nesterov,
       "momentum_masking": correction.masking}
+  if adam is not None:
+    corrected = {"adam": adam}
   return topk_allreduce(c.density, algorithm=c.algorithm, selector=c.selector,
                         error_feedback=c.error_feedback, density_schedule=density_schedule,
-                        **corrected)
+                        balance=c.balance,
+                        segments=None if layout is None else layout.segment_ids, **corrected)
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout
@@ -134,8 +141,10 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
   learning_rate = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
   density = schedules.density(config.compression, steps_per_epoch)
   correction = momentum_correction(config)
+  if correction is not None and config.optimizer.name == "adamw":
+    return _adam_corrected(config, layout, learning_rate, density)
   if correction is None:
-    return train_chain(compressor(config.compression, density),
+    return train_chain(compressor(config.compression, density, layout=layout),
                        fused_optimizer(config.optimizer, learning_rate, layout))
   # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
   # with neither behind it.
@@ -143,6 +152,29 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
       weight_decay_first(compressor(config.compression, density, correction),
                          correction.weight_decay, layout),
       optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
+                      weight_decay_mask=decay_mask, layout=layout))
+
+
+def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.ScalarOrSchedule,
+                    density: Callable | None) -> optax.GradientTransformation:
+  """AdamW with momentum correction: each worker's second moment (and with
+  `adam_first_moment="before"` its first) in the compressor; behind it an SGD whose weight decay
+  is AdamW's. "after": a momentum b1 on the exchanged normalised gradients at learning rate
+  lr * (1 - b1) (Adam's first moment is an average; the trace sums), the decay inside it (at
+  steady state -lr * wd * p a step, as AdamW's); "before": no momentum, -lr * (direction + wd * p).
+  """
+  o = config.optimizer
+  if config.compression.adam_first_moment == "before":
+    return train_chain(
+        compressor(config.compression, density, adam=AdamCorrection(o.b1, o.b2, o.eps)),
+        optim.fused_sgd(learning_rate, momentum=None, nesterov=False,
+                        weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
+                        layout=layout))
+  scaled = (lambda step: learning_rate(step) * (1 - o.b1)) if callable(learning_rate) else (
+      learning_rate * (1 - o.b1))
+  return train_chain(
+      compressor(config.compression, density, adam=AdamCorrection(0.0, o.b2, o.eps)),
+      optim.fused_sgd(scaled, momentum=o.b1, nesterov=False, weight_decay=o.weight_decay,
                       weight_decay_mask=decay_mask, layout=layout))
 
 

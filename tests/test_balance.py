@@ -1,0 +1,77 @@
+"""`topk_allreduce(..., balance="tensor")`: each tensor's candidates scaled by a power of two
+near 1 / their RMS before the one top-k, so a tensor of small gradients is not starved; what is
+sent and what is kept are the candidates' own values (nothing lost, exactly)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sparsejax.compress import topk_allreduce
+from sparsejax.feedback import tensor_weights
+from tests.conftest import make_mesh
+
+
+def _one_step(tx, grads, mesh):
+  def body(g):
+    state = tx.init(g)
+    out, state = tx.update(g, state)
+    return out, state.feedback.residual
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(),
+                               check_vma=False))(grads)
+
+
+def test_a_small_tensor_gets_its_share_and_nothing_is_lost():
+  rng = np.random.default_rng(3)
+  grads = {"big": (rng.standard_normal(1203) * 256).astype(np.float32),
+           "small": rng.standard_normal(797).astype(np.float32)}
+  mesh = make_mesh(1, 1)
+  sent, _ = _one_step(topk_allreduce(0.05, selector="exact"), grads, mesh)
+  assert np.count_nonzero(sent["small"]) == 0  # a global top-k starves it
+  sent, residual = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor"), grads,
+                             mesh)
+  k = round(0.05 * 2000)
+  small = np.count_nonzero(sent["small"])
+  assert np.count_nonzero(sent["big"]) + small == k
+  assert 0.25 * k < small < 0.6 * k  # about its share (40%): 256 is a power of two
+  flat_sent = np.concatenate([sent["big"], sent["small"]])
+  flat_grads = np.concatenate([grads["big"], grads["small"]])
+  np.testing.assert_array_equal(flat_sent + np.asarray(residual)[:2000], flat_grads)
+  np.testing.assert_array_equal(flat_sent[flat_sent != 0], flat_grads[flat_sent != 0])
+
+
+def test_a_flat_buffer_is_balanced_by_the_segments_given():
+  """The trainer's updates are one flat buffer: its tensors come as `segments`, and the
+  selection is the one the same tensors as leaves get."""
+  rng = np.random.default_rng(4)
+  grads = {"big": (rng.standard_normal(1203) * 300).astype(np.float32),
+           "small": rng.standard_normal(797).astype(np.float32)}
+  flat = np.concatenate([grads["big"], grads["small"]])
+  segments = np.repeat(np.int32([0, 1]), [1203, 797])
+  mesh = make_mesh(1, 1)
+  as_leaves, _ = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor"), grads, mesh)
+  as_flat, _ = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor",
+                                        segments=segments), flat, mesh)
+  np.testing.assert_array_equal(as_flat, np.concatenate([as_leaves["big"], as_leaves["small"]]))
+  unbalanced, _ = _one_step(topk_allreduce(0.05, selector="exact"), flat, mesh)
+  assert np.count_nonzero(as_flat[1203:]) > 0 == np.count_nonzero(unbalanced[1203:])
+
+
+def test_tensor_weights_are_powers_of_two_near_the_inverse_rms():
+  rng = np.random.default_rng(5)
+  x = np.concatenate([rng.standard_normal(501) * 37.0, rng.standard_normal(313) * 0.003,
+                      np.zeros(11)]).astype(np.float32)
+  ids = np.repeat(np.int32([0, 1, 2]), [501, 313, 11])
+  w = np.asarray(tensor_weights(x, ids, 3))
+  for seg, scale in ((0, 37.0), (1, 0.003)):
+    ws = w[ids == seg]
+    assert np.all(ws == ws[0]) and np.log2(ws[0]) == np.round(np.log2(ws[0]))
+    assert 0.5 < ws[0] * scale < 2.0
+  assert np.all(w[ids == 2] == 1.0)  # an all-zero tensor is left as it is
+
+
+def test_balance_refuses_what_it_does_not_support():
+  with pytest.raises(ValueError, match="balance must be 'global' or 'tensor', got 'layer'"):
+    topk_allreduce(0.01, balance="layer")
+  with pytest.raises(ValueError, match="plain error feedback"):
+    topk_allreduce(0.01, balance="tensor", momentum=0.9)
