@@ -25,6 +25,15 @@ def _eight_devices():
   assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.devices()}"
 
 
+def need_root(what: str = "test") -> None:
+  """Skips a test of the emulated cluster (network namespaces need root) when not root; in CI,
+  which runs as root, a missing root is a failure."""
+  if os.geteuid() != 0:
+    if os.environ.get("CI"):
+      pytest.fail(f"CI runs as root: the emulated-cluster {what} must run there")
+    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+
+
 def make_mesh(nodes: int, local: int) -> Mesh:
   """A ("node", "local") mesh over the first nodes*local CPU devices."""
   return Mesh(np.asarray(jax.devices()[: nodes * local]).reshape(nodes, local), ("node", "local"))

@@ -2,20 +2,15 @@
 trial end to end, and the table from given trials."""
 
 import json
-import os
 import re
-
-import pytest
 
 from experiments import bench_failover
 from sparsejax import cluster
+from tests.conftest import need_root
 
 
 def test_one_trial_end_to_end(tmp_path):
-  if os.geteuid() != 0:
-    if os.environ.get("CI"):
-      pytest.fail("CI runs as root: the emulated-cluster benchmark must run there")
-    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  need_root("benchmark")
   out = tmp_path / "bench_failover.json"
   assert bench_failover.main(["--nodes", "2", "--runs", "1", "--victims", "last", "--modes",
                               "launcher", "--out", str(out)]) == 0

@@ -10,16 +10,14 @@ import pytest
 
 from experiments import bench_scale, node_scaling
 from sparsejax import comm
+from tests.conftest import need_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-  if os.geteuid() != 0:
-    if os.environ.get("CI"):
-      pytest.fail("CI runs as root: the emulated-cluster benchmark must run there")
-    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  need_root("benchmark")
   out = tmp_path_factory.mktemp("scale") / "bench_scale.json"
   assert bench_scale.main(["--quick", "--out", str(out)]) == 0
   return json.loads(out.read_text()), out

@@ -20,6 +20,7 @@ import pytest
 
 from experiments.bench_failover import _running
 from sparsejax import cli, cluster
+from tests.conftest import need_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -30,13 +31,6 @@ def _env():
   """The test process's environment without its 8-device XLA flag (the CLI and the launcher
   choose the device count themselves)."""
   return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
-def _need_root():
-  if os.geteuid() != 0:
-    if os.environ.get("CI"):
-      pytest.fail("CI runs as root: the emulated-cluster tests must run there")
-    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
 
 
 def _namespaces_left(launch_output: str) -> list[str]:
@@ -100,7 +94,7 @@ def test_unreachable_coordinator_is_an_error_within_the_timeout():
 # ----------------------------------------------------------------------------- emulated cluster
 
 def test_emulated_cluster_limits_links_and_leaves_nothing_behind():
-  _need_root()
+  need_root("tests")
   with cluster.EmulatedCluster(2, cluster.parse_rate("200mbit")) as c:
     prefix = c.prefix
     assert sorted(cluster.EmulatedCluster.leftovers(prefix + "-")) == sorted(
@@ -125,7 +119,7 @@ def test_emulated_cluster_limits_links_and_leaves_nothing_behind():
 
 
 def test_rate_changes_in_place_and_a_killed_owner_leaves_nothing_behind():
-  _need_root()
+  need_root("tests")
   program = ("import sys, time\nfrom sparsejax import cluster\n"
              "with cluster.EmulatedCluster(2, 10**9) as c:\n"
              "  c.set_rate(None)\n  print(c.prefix, flush=True)\n"
@@ -150,7 +144,7 @@ def test_rate_changes_in_place_and_a_killed_owner_leaves_nothing_behind():
 
 
 def test_launch_in_an_emulated_cluster_all_reduces_across_nodes():
-  _need_root()
+  need_root("tests")
   out = io.StringIO()
   rc = cluster.launch(["info", "--distributed"], nodes=2, procs_per_node=2, devices_per_proc=2,
                       bandwidth="1gbit", init_timeout_s=60, out=out)
@@ -183,7 +177,7 @@ def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
   """On a process pinned to one core, gloo's TCP loop thread (it polls through a collective and
   held the core for a scheduler tick, ~4 ms, per collective) runs in SCHED_IDLE; a process with
   more than one core is left as it is. The all-reduce still adds up."""
-  _need_root()
+  need_root("tests")
   if len(os.sched_getaffinity(0)) < 2:
     pytest.skip("needs 2 cores (one process pinned, one not): run on 2 or more, e.g. "
                 "taskset -c 0,1 python -m pytest -q")
@@ -214,7 +208,7 @@ def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
 def test_a_lost_process_stops_the_others_and_the_cluster_is_removed(procs_per_node, victim, how,
                                                                     lost_grace_s):
   """A killed (or hung) rank is reported with its node, and every process is gone within 5 s."""
-  _need_root()
+  need_root("tests")
   out, result, token = io.StringIO(), {}, uuid.uuid4().hex
   world = 2 * procs_per_node
   argv = ["info", "--distributed", "--repeat", "100000"]
@@ -292,7 +286,7 @@ for _ in range(3000 if restart == 0 else 3):  # the first start runs until a nod
 def test_an_elastic_launch_goes_on_without_a_lost_node(tmp_path):
   """--nodes 2:3: the coordinator's node is killed; the job starts again on the 2 nodes left
   (the coordinator on one of them) and ends 0."""
-  _need_root()
+  need_root("tests")
   script = tmp_path / "worker.py"
   script.write_text(ELASTIC_WORKER)
   out, result, token = io.StringIO(), {}, uuid.uuid4().hex
@@ -392,7 +386,7 @@ def test_quickstart_as_two_nodes_of_four_devices_equals_one_process_of_eight(tmp
 
 @pytest.mark.slow  # ~3 minutes on 2 cores: three launches of the quickstart
 def test_killed_run_resumes_from_its_last_checkpoint_in_an_emulated_cluster(tmp_path):
-  _need_root()
+  need_root("tests")
   overrides = ["--set", "num_epochs=2", "--set", "log_every_steps=1", "--set",
                "checkpoint_every_steps=5", "--no-progress"]
   out = io.StringIO()

@@ -3,18 +3,13 @@ way through, goes on with 2 (the checkpoint of 3 workers resized for 2) and ends
 that lost nothing."""
 
 import json
-import os
-
-import pytest
 
 from experiments import preemption
+from tests.conftest import need_root
 
 
 def test_a_run_that_loses_a_node_goes_on_and_reaches_the_target(tmp_path):
-  if os.geteuid() != 0:
-    if os.environ.get("CI"):
-      pytest.fail("CI runs as root: the emulated-cluster test must run there")
-    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  need_root("test")
   out = tmp_path / "preemption.json"
   assert preemption.main(["--quick", "--out", str(out)]) == 0
   got = json.loads(out.read_text())

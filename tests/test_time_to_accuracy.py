@@ -13,6 +13,7 @@ import pytest
 from experiments import time_to_accuracy as tta
 from sparsejax import cluster, models
 from sparsejax.compress import density_levels
+from tests.conftest import need_root
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_mlp.py")
 
@@ -24,10 +25,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 def quick(tmp_path_factory):
   """One --quick study (digits, 2 emulated nodes): the sparsejax systems, and PyTorch DDP with
   the parity phase where PyTorch is installed."""
-  if os.geteuid() != 0:
-    if os.environ.get("CI"):
-      pytest.fail("CI runs as root: the emulated-cluster study must run there")
-    pytest.skip("needs root (network namespaces): run as root, e.g. sudo -E python -m pytest -q")
+  need_root("study")
   out = tmp_path_factory.mktemp("tta") / "tta.json"
   argv = ["--quick", "--out", str(out)]
   if not HAVE_TORCH:
