@@ -113,16 +113,16 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "compression.momentum_correction": True,
                                 "compression.momentum_masking": False}),
     # compression.algorithm=auto (sparsejax.train.auto): the form chosen by measurement, every
-    # 25 steps, between dense and the sparse system named (its steps to target over dense's as
+    # 10 steps, between dense and the sparse system named (its steps to target over dense's as
     # the studies measured them: docs/auto.md)
     "auto-0.01-mc": ("jax", {"compression.algorithm": "auto", "compression.density": 0.01,
                              "compression.momentum_correction": True,
                              "compression.momentum_masking": False,
                              "compression.auto_step_factor": 0.83,
-                             "compression.auto_every_steps": 25}),
+                             "compression.auto_every_steps": 10}),
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05,
                           "compression.auto_step_factor": 1.22,
-                          "compression.auto_every_steps": 25}),
+                          "compression.auto_every_steps": 10}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }

@@ -125,9 +125,11 @@ def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
 
 # ----------------------------------------------------------------------------- the probes
 
-def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS) -> float:
-  """The median seconds of `fn(*args)` over `reps` calls after one untimed call (compilation)."""
-  jax.block_until_ready(fn(*args))
+def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) -> float:
+  """The median seconds of `fn(*args)` over `reps` calls, after one untimed call (compilation,
+  first touches) if `warm`."""
+  if warm:
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -136,7 +138,7 @@ def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS) -> float:
   return statistics.median(times)
 
 
-def _probe_link(mesh: Any, shard: int) -> Link:
+def _probe_link(mesh: Any, shard: int, warm: bool = True) -> Link:
   """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
   is fast enough that 64 KiB would not tell it from the fixed cost, at the size a first fit says
   takes about `PROBE_LARGE_S` (at most the shard: the dense form's own size); fits the link."""
@@ -151,7 +153,8 @@ def _probe_link(mesh: Any, shard: int) -> Link:
 
   def seconds(size: int) -> float:
     here = np.ones(len(mesh.local_devices) * size, np.float32)
-    return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here))])[0]
+    return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here),
+                            warm=warm)])[0]
 
   sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
   times = [seconds(size) for size in sizes]
@@ -225,6 +228,7 @@ class AutoExchange:
     self.shard = self.n // self.local if hierarchical else self.n
     self.k = max(1, round(c.density * self.shard))
     self._compute = step_lib.jit_compute_step(setup, state_like)
+    self._first: Measurement | None = None  # this process's first measurement
     self.lead = jax.process_index() == 0
 
   @property
@@ -249,12 +253,16 @@ class AutoExchange:
                             and last != step)
 
   def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
-    """The link, compute and local-work probes (each the slowest process's)."""
-    link = _probe_link(self.setup.mesh, self.shard)
-    compute, select = _slowest([
-        _timed(self._compute, state, *batch),
-        _probe_select(self.compression.selector, self.shard, self.k, self.nodes)])
-    return Measurement(link, compute, select)
+    """The link, compute and local-work probes (each the slowest process's); after this
+    process's first measurement the link alone (compute and selection do not change with it,
+    and the compute pass is the dearest probe: a step's forward and backward, four times)."""
+    link = _probe_link(self.setup.mesh, self.shard, warm=self._first is None)
+    if self._first is None:
+      compute, select = _slowest([
+          _timed(self._compute, state, *batch),
+          _probe_select(self.compression.selector, self.shard, self.k, self.nodes)])
+      self._first = Measurement(link, compute, select)
+    return self._first._replace(link=link)
 
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
     """Measures and chooses where due; logs the choice."""

@@ -125,13 +125,14 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       # algorithm "auto" (sparsejax.train.auto): the trainer chooses, on the host, between
       # `auto_sparse` (with this group's density, warm-up and corrections) and its dense form
       # (every candidate all-reduced, nothing kept back) from the link and compute it measures at
-      # the start and every `auto_every_steps` steps (0: only at the start), switching for a
+      # the start and every `auto_every_steps` steps (0: only at the start; after the first,
+      # the link alone: a few small all-reduces), switching for a
       # predicted gain over `auto_margin`. auto_step_factor: the sparse system's steps to the
       # target over dense's (a property of the task and density: docs/auto.md has the measured
       # ones). auto_schedule ((first_step, "dense" | "sparse"), ...) fixes the choices instead.
       "auto_sparse": "hitopk",
       "auto_step_factor": 1.1,
-      "auto_every_steps": 100,
+      "auto_every_steps": 10,
       "auto_margin": 0.05,
       "auto_schedule": (),
   })
