@@ -62,6 +62,54 @@ def reference_steps(path: str, sparse: str) -> dict[str, dict[str, float]]:
   return dict(out)
 
 
+def reference_exposed(path: str, sparse: str) -> dict[str, dict[str, list[float]]]:
+  """{bandwidth: {"dense" | "sparse" | "torch-ddp": [seconds per seed]}}: each system's exposed
+  exchange in the study, its step (the sparse system's at its final density) minus its
+  runtime's compute-only step (the parity phase's median)."""
+  study = json.load(open(path))
+  compute = {rt: statistics.median(r[rt]["step_s"] for r in study["parity"])
+             for rt in ("jax", "torch")}
+  final = min(r["density"] for r in study["sweep"] if r["system"] == sparse)
+  out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+  for r in study["sweep"]:
+    form = {"dense": "dense", sparse: "sparse", "torch-ddp": "torch-ddp"}.get(r["system"])
+    if form is None or (form == "sparse" and r["density"] != final):
+      continue
+    out[r["bandwidth"]][form].append(
+        r["step_s"] - compute["torch" if form == "torch-ddp" else "jax"])
+  return {bw: dict(v) for bw, v in out.items()}
+
+
+def exposed_table(results: dict[str, Any], exposed: dict[str, dict[str, list[float]]]) -> str:
+  """Auto's chosen form's exposed exchange against PyTorch DDP's, per bandwidth."""
+  rows = ["| bandwidth | auto's form (all runs) | its exposed exchange ms | PyTorch DDP's ms |",
+          "|---|---|---:|---:|"]
+  for bw, runs in results["runs"].items():
+    forms = sorted({r["choice"]["form"] for r in runs})
+    mine = [v for f in forms for v in exposed[bw][f]]
+    rows.append(f"| {bw} | {', '.join(forms)} | {results_io.spread(mine, 1, 1e3)} | "
+                f"{results_io.spread(exposed[bw].get('torch-ddp', []), 1, 1e3)} |")
+  return "\n".join(rows)
+
+
+def report(results: dict[str, Any], out: str) -> str:
+  """Both tables (written beside `out` with the JSON); returns the text."""
+  meta = results["meta"]
+  text = ("Auto's first choice per run (2 emulated nodes, one pinned process each) against the "
+          "step times the reference study measured for the two forms (its medians; time to "
+          "target = step x auto's step factor); min / median / max over the runs:\n\n"
+          + table(results))
+  if json.load(open(results_io.resolve(meta["reference"]))).get("parity"):
+    exposed = reference_exposed(results_io.resolve(meta["reference"]), meta["sparse"])
+    text += ("\n\nExposed exchange per step (the step minus the same runtime's compute-only "
+             "step, both from the reference study: its sweep, per seed, and its parity phase's "
+             "median) of the form auto chose, against PyTorch DDP's; min / median / max over the "
+             "study's seeds:\n\n" + exposed_table(results, exposed))
+  text += "\n\n" + results_io.footer(meta) + "\n"
+  results_io.write_results(out, results, text)
+  return text
+
+
 def run_once(config: str, sets: list[str], bandwidth: str, steps: int, log) -> dict[str, Any]:
   """One launch under "auto" at `bandwidth`; its first choice (with the figures behind it)."""
   rate = None if bandwidth == "unlimited" else cluster.parse_rate(bandwidth)
@@ -121,12 +169,17 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--epochs", type=float, default=0.05, help="each run's length (num_epochs)")
   ap.add_argument("--out", required=True)
+  ap.add_argument("--from-results", metavar="JSON", help="no runs: the tables again from a "
+                  "results file (written to --out's name)")
   args = ap.parse_args(argv)
+  if args.from_results:
+    print(report(json.load(open(args.from_results)), args.out))
+    return 0
   reference = reference_steps(args.reference, args.sparse)
   meta = {"command": results_io.command_line(__file__, sys.argv[1:] if argv is None else argv),
           "machine": platform.machine(), "cpus": os.cpu_count(),
           "date": datetime.date.today().isoformat(), "reference": results_io.portable_path(
-              args.reference), "sets": args.sets, "epochs": args.epochs}
+              args.reference), "sparse": args.sparse, "sets": args.sets, "epochs": args.epochs}
   results: dict[str, Any] = {"meta": meta, "reference": {}, "runs": {}}
   log = io.StringIO()  # the launches' output, written beside the results if a run fails
   for bw in args.bandwidths.split(","):
@@ -143,12 +196,7 @@ def main(argv: list[str] | None = None) -> int:
       judged = judge(choice, reference[bw])
       print(f"{bw} run {run}: chose {choice['form']} ({judged})", flush=True)
       results["runs"][bw].append({"choice": choice, "judged": judged})
-  text = ("Auto's first choice per run (2 emulated nodes, one pinned process each) against the "
-          "step times the reference study measured for the two forms (its medians; time to "
-          "target = step x auto's step factor); min / median / max over the runs:\n\n"
-          + table(results) + "\n\n" + results_io.footer(results["meta"]) + "\n")
-  results_io.write_results(args.out, results, text)
-  print(text)
+  print(report(results, args.out))
   return 0
 
 

@@ -668,7 +668,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
   metric = target_metric(results)
   if analysis:
     link = headline
-    last = "at the stop (target reached)" if results["meta"].get("stop_at_target") else "final"
+    last = "at the stop (the target)" if results["meta"].get("stop_at_target") else "final"
     if results["meta"].get("link_change"):
       rate, _, frac = results["meta"]["link_change"].partition("@")
       link = f"{headline}, then {rate} from {float(frac):.0%} of the recipe on"
@@ -676,15 +676,16 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
               "excluded; measured / predicted: the train time to target over the sum of the "
               "swept step times):", "",
               "| system | steps to target | train time to target s | measured / predicted | "
-              f"node-0 link MB to target | {last} {metric} |", "|---|---:|---:|---:|---:|---:|"]
+              f"node-0 link MB to target | {metric} {last} |", "|---|---:|---:|---:|---:|---:|"]
     for system, e in analysis.items():
       s = e["seeds"]
-      check = e.get("measured_over_predicted_at_headline", [None])
+      check = e.get("measured_over_predicted_at_headline")
       lines.append(f"| {system} | {_fmt_range([x['steps_to_target'] for x in s], digits=0)} | "
                    f"{_fmt_range([x['train_time_to_target_s'] for x in s])} | "
-                   f"{_fmt_range(check, digits=2)} | "
+                   f"{_fmt_range(check, digits=2) if check else '-'} | "
                    f"{_fmt_range([x['node0_link_bytes_to_target'] for x in s], 1e-6)} | "
                    f"{_fmt_range(e['final'], digits=4)} |")
+    lines += _choice_lines(results)
     bws = [b for b, _ in parse_bandwidths(results["meta"]["bandwidths"])]
     have = [b for b in bws if any(b in e["predicted_time_to_target_s"] for e in analysis.values())]
     if have:
@@ -723,6 +724,22 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
   m = results["meta"]
   lines += ["", footer(m)]
   return "\n".join(lines)
+
+
+def _choice_lines(results: dict) -> list[str]:
+  """Algorithm "auto"'s forms per run: the steps where it switched."""
+  runs = [r for r in results.get("train", []) if r.get("exchange_choices")]
+  if not runs:
+    return []
+  lines = ["", "Algorithm auto's forms (measured every `compression.auto_every_steps` steps; "
+           "a form runs from the step of its choice):", "", "| system | seed | forms |",
+           "|---|---:|---|"]
+  for r in runs:
+    forms = [(c["step"], c["form"]) for c in r["exchange_choices"]]
+    kept = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
+    lines.append(f"| {r['system']} | {r['seed']} | "
+                 + ", then ".join(f"{form} from step {step}" for step, form in kept) + " |")
+  return lines
 
 
 def exchange_over_compute(results: dict) -> dict[str, float]:
@@ -847,7 +864,7 @@ def report(results: dict, out: str) -> None:
   table = make_tables(results, analysis, results["meta"]["headline"])
   print(table)
   write_results(out, results, table)
-  if analysis:
+  if any(e["predicted_time_to_target_s"] for e in analysis.values()):  # (no sweep: no plot)
     plot(results, analysis, os.path.splitext(out)[0] + ".png")
   print(f"wrote {out}")
 
