@@ -112,6 +112,17 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "higtopk-0.02-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.02,
                                 "compression.momentum_correction": True,
                                 "compression.momentum_masking": False}),
+    # compression.algorithm=auto (sparsejax.train.auto): the form chosen by measurement, every
+    # 10 steps, between dense and the sparse system named (its steps to target over dense's as
+    # the studies measured them: docs/auto.md)
+    "auto-0.01-mc": ("jax", {"compression.algorithm": "auto", "compression.density": 0.01,
+                             "compression.momentum_correction": True,
+                             "compression.momentum_masking": False,
+                             "compression.auto_step_factor": 0.83,
+                             "compression.auto_every_steps": 10}),
+    "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05,
+                          "compression.auto_step_factor": 1.22,
+                          "compression.auto_every_steps": 10}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }
@@ -215,10 +226,26 @@ class JaxRun:
     # one step per density level the run passes through (the trainer's choice, as `sparsejax
     # train`), compiled before the clock starts (PyTorch has nothing to compile)
     self.levels = [self.setup.density_level(s) for s in range(self.total)]
+    self.auto = self._auto(config, first)
+    extra = [self.auto.dense_level] if self.auto else []
     self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
-        self.state, *first).compile() for level in dict.fromkeys(self.levels)}
+        self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
     self.eval_fn = jit_eval_step(self.setup, self.state)
     self.jax = jax
+
+  def _auto(self, config, first):
+    """Algorithm "auto"'s chooser, its probes compiled (one measurement before the clock)."""
+    if config.compression.algorithm != "auto":
+      return None
+    from sparsejax.train import optimizer as optimizer_lib
+    from sparsejax.train import schedules
+    from sparsejax.train.auto import AutoExchange
+    density = schedules.density(config.compression, self.data.steps_per_epoch)
+    auto = AutoExchange(config, self.setup, self.state, sparse_level=self.setup.density_level,
+                        dense_level=optimizer_lib.dense_level_index(config.compression, density),
+                        history=[])
+    auto.measure(self.state, first)
+    return auto
 
   def batch(self, step: int):
     from sparsejax.train.state import shard_batch
@@ -226,8 +253,14 @@ class JaxRun:
 
   def step(self, step: int, wait: bool = False, level_step: int | None = None):
     """One step on batch `step`, at the density level of step `level_step` (default `step`)."""
-    level = self.levels[min(step if level_step is None else level_step, self.total - 1)]
-    self.state, metrics = self.step_fns[level](self.state, *self.batch(step))
+    batch = self.batch(step)
+    if self.auto is not None and level_step is None:  # auto measures and chooses (on the clock)
+      from sparsejax.train.metrics import NullWriter
+      self.auto.before_step(step, self.state, batch, NullWriter())
+      level = self.auto.level(step)
+    else:
+      level = self.levels[min(step if level_step is None else level_step, self.total - 1)]
+    self.state, metrics = self.step_fns[level](self.state, *batch)
     if wait:
       self.jax.block_until_ready(self.state)
     return metrics
@@ -288,21 +321,35 @@ def run_worker(args) -> None:
   """One process run of one system: the train phase, then the sweep, in the same processes."""
   config, run, rank, lead = _worker_setup(args)
   row = {"system": args.system, "seed": args.seed, "total_steps": run.total,
-         "steps_per_epoch": run.data.steps_per_epoch, "curve": train_phase(config, run)}
-  row["sweep"] = sweep_phase(args, run, lead)
+         "steps_per_epoch": run.data.steps_per_epoch,
+         "curve": train_phase(config, run, args, lead)}
+  auto = getattr(run, "auto", None)
+  if auto is not None:  # its forms follow the link: no step time per level to sweep
+    row["exchange_choices"] = auto.history
+  row["sweep"] = [] if auto is not None else sweep_phase(args, run, lead)
   if lead:
     with open(args.worker_out, "w") as f:
       json.dump([row], f)
 
 
-def train_phase(config, run) -> list[dict]:
-  """The whole recipe, evaluating every `eval_every_steps` with the clock stopped."""
+def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
+  """The whole recipe, evaluating every `eval_every_steps` with the clock stopped; with
+  `--link-change RATE@FRACTION` the link changes (lead process, between two barriers, the
+  clock stopped) before the step at that fraction of the recipe; with `--stop-at-target` the
+  run ends at the first evaluation that reaches the target."""
+  from sparsejax.train.config import target_reached
   every = config.eval_every_steps or run.total
+  change = json.loads(args.link_change) if args and args.link_change else None
   curve, train_s = [], 0.0
   _barrier(run)
   sent0 = _link_bytes()
   seg = time.perf_counter()
   for step in range(run.total):
+    if change is not None and step == change["step"]:
+      run.wait()
+      train_s += time.perf_counter() - seg
+      _set_link(run, args, lead, change["bps"])
+      seg = time.perf_counter()
     run.step(step)
     done = step + 1
     if done % every == 0 or done == run.total:
@@ -313,22 +360,30 @@ def train_phase(config, run) -> list[dict]:
       curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
                     **{k: metrics[k] for k in ("accuracy", "loss") if k in metrics}})
       _barrier(run)
+      if (args is not None and args.stop_at_target and target_reached(
+          config.target_metric, metrics[config.target_metric], config.target_value)):
+        break
       seg = time.perf_counter()
   return curve
+
+
+def _set_link(run, args, lead: bool, bps: int | None) -> None:
+  """The lead sets both nodes' link rate while the others wait (a barrier either side)."""
+  from sparsejax import cluster
+  _barrier(run)
+  if lead:
+    cluster.set_link_rate(args.cluster_prefix, NODES, bps)
+  _barrier(run)
 
 
 def sweep_phase(args, run, lead: bool) -> list[dict]:
   """Step times at every bandwidth (rank 0 changes the link between phases, the others wait at
   a barrier) and at every density level; the link is set back to the headline rate after."""
-  from sparsejax import cluster
   bandwidths = json.loads(args.bandwidths) + [["headline", json.loads(args.headline)]]
   levels = json.loads(args.levels)  # [[density, a step that runs at it], ...]
   rows = []
   for name, bps in bandwidths:
-    _barrier(run)
-    if lead:
-      cluster.set_link_rate(args.cluster_prefix, NODES, bps)
-    _barrier(run)
+    _set_link(run, args, lead, bps)
     if name == "headline":
       break
     for density, at_step in levels:
@@ -471,6 +526,19 @@ def level_steps(config, steps_per_epoch: int, total: int) -> list[list[float]]:
   return out
 
 
+def parse_link_change(text: str) -> tuple[tuple[str, int | None], float]:
+  """`RATE@FRACTION` -> ((name, bits/s or None), fraction of the recipe's steps)."""
+  rate, sep, frac = text.partition("@")
+  try:
+    fraction = float(frac)
+  except ValueError:
+    fraction = -1.0
+  if not sep or not 0 < fraction < 1:
+    raise ValueError(f"--link-change {text!r}: give RATE@FRACTION with 0 < FRACTION < 1 "
+                     "(e.g. 100mbit@0.33)")
+  return parse_bandwidths(rate)[0], fraction
+
+
 def parse_bandwidths(text: str) -> list[tuple[str, int | None]]:
   from sparsejax import cluster
   out = []
@@ -599,19 +667,25 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
               f"| PyTorch | {p['torch']['layout']} | {_fmt_range(torch_ms)} | - |", ""]
   metric = target_metric(results)
   if analysis:
-    lines += [f"Training at {headline} (seeds: min / median / max; evaluation time "
+    link = headline
+    last = "at the stop (the target)" if results["meta"].get("stop_at_target") else "final"
+    if results["meta"].get("link_change"):
+      rate, _, frac = results["meta"]["link_change"].partition("@")
+      link = f"{headline}, then {rate} from {float(frac):.0%} of the recipe on"
+    lines += [f"Training at {link} (seeds: min / median / max; evaluation time "
               "excluded; measured / predicted: the train time to target over the sum of the "
               "swept step times):", "",
               "| system | steps to target | train time to target s | measured / predicted | "
-              f"node-0 link MB to target | final {metric} |", "|---|---:|---:|---:|---:|---:|"]
+              f"node-0 link MB to target | {metric} {last} |", "|---|---:|---:|---:|---:|---:|"]
     for system, e in analysis.items():
       s = e["seeds"]
-      check = e.get("measured_over_predicted_at_headline", [None])
+      check = e.get("measured_over_predicted_at_headline")
       lines.append(f"| {system} | {_fmt_range([x['steps_to_target'] for x in s], digits=0)} | "
                    f"{_fmt_range([x['train_time_to_target_s'] for x in s])} | "
-                   f"{_fmt_range(check, digits=2)} | "
+                   f"{_fmt_range(check, digits=2) if check else '-'} | "
                    f"{_fmt_range([x['node0_link_bytes_to_target'] for x in s], 1e-6)} | "
                    f"{_fmt_range(e['final'], digits=4)} |")
+    lines += _choice_lines(results)
     bws = [b for b, _ in parse_bandwidths(results["meta"]["bandwidths"])]
     have = [b for b in bws if any(b in e["predicted_time_to_target_s"] for e in analysis.values())]
     if have:
@@ -650,6 +724,22 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
   m = results["meta"]
   lines += ["", footer(m)]
   return "\n".join(lines)
+
+
+def _choice_lines(results: dict) -> list[str]:
+  """Algorithm "auto"'s forms per run: the steps where it switched."""
+  runs = [r for r in results.get("train", []) if r.get("exchange_choices")]
+  if not runs:
+    return []
+  lines = ["", "Algorithm auto's forms (measured every `compression.auto_every_steps` steps; "
+           "a form runs from the step of its choice):", "", "| system | seed | forms |",
+           "|---|---:|---|"]
+  for r in runs:
+    forms = [(c["step"], c["form"]) for c in r["exchange_choices"]]
+    kept = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
+    lines.append(f"| {r['system']} | {r['seed']} | "
+                 + ", then ".join(f"{form} from step {step}" for step, form in kept) + " |")
+  return lines
 
 
 def exchange_over_compute(results: dict) -> dict[str, float]:
@@ -726,6 +816,12 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--phases", default="parity,runs")
+  ap.add_argument("--link-change", metavar="RATE@FRACTION",
+                  help="a changing link: the headline rate, then RATE from that fraction of the "
+                  "recipe's steps on (e.g. 100mbit@0.33); the runs are timed end to end, no sweep")
+  ap.add_argument("--stop-at-target", action="store_true",
+                  help="end each run at its first evaluation that reaches the target (time to "
+                  "target only; no final accuracy)")
   ap.add_argument("--run-timeout", type=int, default=900,
                   help="seconds one process run (train + sweep) may take")
   ap.add_argument("--lock", help="a file to flock around each process run (benchmarks that "
@@ -744,12 +840,14 @@ def main(argv=None) -> int:
   ap.add_argument("--sets", dest="sets_json", help=argparse.SUPPRESS)
   ap.add_argument("--levels", help=argparse.SUPPRESS)
   ap.add_argument("--cluster-prefix", help=argparse.SUPPRESS)
+  ap.add_argument("--link-change-at", dest="link_change_json", help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.argv = list(sys.argv[1:] if argv is None else argv)
   args.config = os.path.abspath(args.config)  # results store it relative to the checkout
   if args.mode != "driver":
     args.sets = args.sets_json
+    args.link_change = args.link_change_json
     if args.mode == "run":
       run_worker(args)
     else:
@@ -766,7 +864,7 @@ def report(results: dict, out: str) -> None:
   table = make_tables(results, analysis, results["meta"]["headline"])
   print(table)
   write_results(out, results, table)
-  if analysis:
+  if any(e["predicted_time_to_target_s"] for e in analysis.values()):  # (no sweep: no plot)
     plot(results, analysis, os.path.splitext(out)[0] + ".png")
   print(f"wrote {out}")
 
@@ -802,6 +900,7 @@ def drive(ap, args) -> int:
     bandwidths = parse_bandwidths(args.bandwidths)
     headline = parse_bandwidths(args.headline)[0]
     config = load_task(args.config, args.sets)
+    change = parse_link_change(args.link_change) if args.link_change else None
   except ValueError as e:
     ap.error(str(e))
   if config.mesh.nodes != NODES:
@@ -819,7 +918,9 @@ def drive(ap, args) -> int:
       "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
       "target_metric": config.target_metric,
       "config": portable_path(args.config), "sets": args.sets, "bandwidths": args.bandwidths,
-      "headline": args.headline, "machine": platform.machine(), "cpus": os.cpu_count(),
+      "headline": args.headline, "link_change": args.link_change,
+      "stop_at_target": args.stop_at_target,
+      "machine": platform.machine(), "cpus": os.cpu_count(),
       "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
       "batch_size": config.batch_size, "total_steps": total,
       "parameters": model_size(config, inputs),
@@ -835,10 +936,16 @@ def drive(ap, args) -> int:
       for seed in range(args.seeds):
         for system in systems:
           cfg = load_task(args.config, args.sets, system, seed)
-          extra = ["--seed", str(seed), "--bandwidths", json.dumps(bandwidths), "--headline",
+          extra = ["--seed", str(seed), "--bandwidths",
+                   json.dumps([] if change else bandwidths), "--headline",
                    json.dumps(headline[1]), "--levels",
                    json.dumps(level_steps(cfg, steps_per_epoch, total)), "--cluster-prefix",
                    c.prefix, "--warmup", str(args.warmup), "--reps", str(args.reps)]
+          if change:
+            extra += ["--link-change-at", json.dumps(
+                {"step": round(change[1] * total), "bps": change[0][1]})]
+          if args.stop_at_target:
+            extra.append("--stop-at-target")
           row = _run_with_retry(c, system, seed, args, extra, log, headline[1])
           if row is None:
             results.setdefault("failed", []).append({"system": system, "seed": seed})

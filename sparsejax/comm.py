@@ -41,8 +41,8 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "topk_allgather",
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
            "gtopk_sums", "gtopk_settle", "gather_pairs", "scatter_pairs",
-           "settle", "wire_bytes", "axis_size", "axis_names", "ALGORITHMS", "SPARSE_ALGORITHMS",
-           "HIERARCHICAL_ALGORITHMS"]
+           "settle", "settle_dense", "dense_form", "wire_bytes", "axis_size", "axis_names",
+           "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk", "gtopk", "higtopk")
 # the ones that select top-k (and keep a residual)
@@ -202,6 +202,24 @@ def settle(collective: SparseCollective, values: jax.Array, indices: jax.Array,
   if collective.reduce is None:
     return collective.gather(values, indices, length), kept
   return collective.reduce(values, indices, kept, length, masking)
+
+
+def settle_dense(collective: SparseCollective, part: jax.Array) -> jax.Array:
+  """The dense form of the exchange after the selection: every value of every worker's `part`
+  summed (n,), identical on every worker, by all-reduce instead of (value, index) pairs: over
+  all axes for the flat algorithms; over `node_axis` and then gathered over `local_axis` for
+  the hierarchical ones (`part` is the worker's shard of its node's sum, as `scatter` gave it).
+  Its bytes are `wire_bytes(dense_form(collective.name), ...)`."""
+  if collective.name in HIERARCHICAL_ALGORITHMS:
+    node_axis, local_axis = collective.axes
+    return _all_gather(lax.psum(part, node_axis), local_axis, axis_size(local_axis))
+  return lax.psum(part, collective.axes)
+
+
+def dense_form(algorithm: str) -> str:
+  """The uncompressed algorithm with the same shape as `algorithm`: "hierarchical" for the
+  hierarchical ones, "dense" for the flat ones."""
+  return "hierarchical" if algorithm in HIERARCHICAL_ALGORITHMS else "dense"
 
 
 def _whole(names: str | tuple[str, ...], what: str) -> Callable[[jax.Array], jax.Array]:

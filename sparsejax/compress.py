@@ -84,14 +84,17 @@ def level_index(levels: tuple[float, ...], wanted):
 
 
 def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Array,
-           density_level: int | None) -> jax.Array | int:
-  """The level to run: the caller's `density_level` (a Python int: no switch), else the one the
-  schedule's density at `count` is rounded up to (int32[])."""
+           density_level: int | None, dense_level: bool = False) -> jax.Array | int:
+  """The level to run: the caller's `density_level` (a Python int: no switch; `len(levels)` is
+  the dense form where `dense_level`), else the one the schedule's density at `count` is
+  rounded up to (int32[])."""
   if density_level is not None:
+    end = len(levels) + bool(dense_level)
     if (isinstance(density_level, bool) or not isinstance(density_level, int)
-        or not 0 <= density_level < len(levels)):
-      raise ValueError(f"density_level must be a Python int in [0, {len(levels)}) (an index "
-                       f"into the levels {levels}), got {density_level!r}")
+        or not 0 <= density_level < end):
+      dense = f"; {len(levels)}: the dense form" if dense_level else ""
+      raise ValueError(f"density_level must be a Python int in [0, {end}) (an index into the "
+                       f"levels {levels}{dense}), got {density_level!r}")
     return density_level
   if len(levels) == 1:
     return 0
@@ -215,12 +218,43 @@ def _balance_weights(part: jax.Array, feedback: Feedback, layout: FlatLayout, pa
   return tensor_weights(part + feedback.residual, seg, count)
 
 
+def _everything(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The dense form's selector: every value of `x`, in order."""
+  del k
+  return x, jnp.arange(x.shape[0], dtype=jnp.int32)
+
+
+def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Feedback | None,
+               feedback_args: dict, extra: dict) -> tuple[jax.Array, Feedback | None]:
+  """The dense form of a sparse exchange: every candidate (the gradient plus the residual, with
+  the correction's velocity or Adam direction) summed by an all-reduce; the residual emptied,
+  the velocity and Adam moments run on (nothing is masked: a dense step with momentum
+  correction is momentum SGD's step). `(total (n,), feedback)`."""
+  if feedback is None:
+    return comm.settle_dense(collective, part), None
+  args = {**feedback_args, "masking": False}
+  extra = {k: v for k, v in extra.items() if k != "weights"}
+  values, _, kept = feedback_select(part, feedback, part.shape[0], _everything, **args, **extra)
+  return comm.settle_dense(collective, values), kept._replace(
+      residual=jnp.zeros_like(feedback.residual))
+
+
+def _bytes_sent(algorithm: str, n: int, part_len: int, levels: tuple[float, ...], nodes: int,
+                local: int) -> jax.Array:
+  """float32[len(levels) + 1]: a worker's bytes sent at each level, and in the dense form."""
+  sent = [comm.wire_bytes(algorithm, n=n, k=max(1, round(lv * part_len)), nodes=nodes,
+                          local=local) for lv in levels]
+  sent.append(comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local))
+  return jnp.asarray([s["inter"] + s["intra"] for s in sent], jnp.float32)
+
+
 def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[float, ...],
             density_schedule: Callable | None, error_feedback: bool, momentum: float,
-            feedback_args: dict, balance: str = "global", segments: Any = None
-            ) -> optax.GradientTransformation:
+            feedback_args: dict, balance: str = "global", segments: Any = None,
+            dense_level: bool = False) -> optax.GradientTransformation:
   """The mean through `collective`, `select`ing at one of `levels` per step, with error
-  feedback (`feedback_select(..., **feedback_args)`) if `error_feedback`."""
+  feedback (`feedback_select(..., **feedback_args)`) if `error_feedback`; with `dense_level`,
+  `density_level=len(levels)` runs `_dense_run`."""
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"topk_allreduce(algorithm={collective.name!r})", collective.axes)
     layout = FlatLayout.from_tree(tree, pad_to=local)
@@ -245,33 +279,39 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
                          "was init run inside the same shard_map mesh?")
     part = collective.scatter(layout.ravel(updates, jnp.float32))
 
+    def correction_args(feedback: Feedback | None, balanced: bool = True) -> dict:
+      extra = {} if feedback_args.get("adam") is None else {
+          "count": state.count,  # each hierarchical shard sums its node's `local` gradients
+          "scale": local if collective.name in comm.HIERARCHICAL_ALGORITHMS else 1}
+      if balanced and balance == "tensor" and feedback is not None:
+        extra["weights"] = _balance_weights(part, feedback, layout, part_len, collective,
+                                            segments)
+      return extra
+
     def at(level: float) -> Callable:
       def run(part: jax.Array, feedback: Feedback | None):
         k = max(1, round(level * part_len))
         topk_lib.check_k(part, k)
         masking = feedback_args["masking"]
-        extra = {} if feedback_args.get("adam") is None else {
-            "count": state.count,  # each hierarchical shard sums its node's `local` gradients
-            "scale": local if collective.name in comm.HIERARCHICAL_ALGORITHMS else 1}
-        if balance == "tensor" and feedback is not None:
-          extra["weights"] = _balance_weights(part, feedback, layout, part_len, collective,
-                                              segments)
         values, indices, kept = feedback_select(
             part, feedback, k, select,
-            **{**feedback_args, "masking": masking and collective.reduce is None}, **extra)
+            **{**feedback_args, "masking": masking and collective.reduce is None},
+            **correction_args(feedback))
         total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
         return total, kept if error_feedback else None
       return run
 
-    index = _level(levels, density_schedule, state.count, density_level)
-    runs = [at(level) for level in levels]
-    total, feedback = (runs[index](part, state.feedback) if isinstance(index, int)
-                       else lax.switch(index, runs, part, state.feedback))
-    sent = [comm.wire_bytes(collective.name, n=layout.padded_size, k=max(1, round(lv * part_len)),
-                            nodes=nodes, local=local) for lv in levels]
+    index = _level(levels, density_schedule, state.count, density_level, dense_level)
+    if isinstance(index, int) and index == len(levels):  # the dense form
+      total, feedback = _dense_run(collective, part, state.feedback, feedback_args,
+                                   correction_args(state.feedback, balanced=False))
+    else:
+      runs = [at(level) for level in levels]
+      total, feedback = (runs[index](part, state.feedback) if isinstance(index, int)
+                         else lax.switch(index, runs, part, state.feedback))
     return _mean_out(total, nodes * local, layout, updates), ExchangeState(
-        feedback, state.count + 1, jnp.asarray(levels, jnp.float32)[index],
-        jnp.asarray([s["inter"] + s["intra"] for s in sent], jnp.float32)[index])
+        feedback, state.count + 1, jnp.asarray(levels + (1.0,), jnp.float32)[index],
+        _bytes_sent(collective.name, layout.padded_size, part_len, levels, nodes, local)[index])
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -284,7 +324,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    density_schedule: Callable[[jax.Array], jax.Array] | None = None,
                    momentum: float = 0.0, nesterov: bool = False,
                    momentum_masking: bool = True, adam: AdamCorrection | None = None,
-                   balance: str = "global", segments: Any = None
+                   balance: str = "global", segments: Any = None, dense_level: bool = False
                    ) -> optax.GradientTransformation:
   """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
 
@@ -333,6 +373,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     segments: with balance="tensor" and updates that are already one flat buffer (sparsejax's
       trainer), the tensor id of each of its elements (`FlatLayout.segment_ids`); default: the
       leaves of the updates are the tensors.
+    dense_level: also offer the dense form (a sparse algorithm only): `update(...,
+      density_level=L)` with L the number of levels (`len(density_levels(density))` with a
+      schedule, else 1) sums every candidate (gradient plus residual, with the correction's
+      velocity or Adam direction) by an all-reduce ("dense" for the flat algorithms,
+      "hierarchical" for the hierarchical ones) and empties the residual: nothing is lost when
+      a run switches between sparse and dense exchanges (`sparsejax.train.auto`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with an `ExchangeState` (its update takes the
@@ -355,6 +401,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                      "correction, error_feedback=True)")
   axes = _axes(algorithm, axis_name, node_axis, local_axis)
   select = topk_lib.get_selector(selector)
+  if dense_level and algorithm not in comm.SPARSE_ALGORITHMS:
+    raise ValueError(f"dense_level=True needs a sparse algorithm {comm.SPARSE_ALGORITHMS}, got "
+                     f"algorithm={algorithm!r} (already dense)")
   if algorithm == "dense":
     return dense_mean(axes)
   if algorithm == "hierarchical":
@@ -363,4 +412,5 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   levels = density_levels(density) if density_schedule is not None else (float(density),)
   return _sparse(collective, select, levels, density_schedule, error_feedback, momentum,
                  {"momentum": momentum, "nesterov": nesterov,
-                  "masking": momentum_masking and adam is None, "adam": adam}, balance, segments)
+                  "masking": momentum_masking and adam is None, "adam": adam}, balance, segments,
+                 dense_level)

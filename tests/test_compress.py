@@ -244,3 +244,78 @@ def test_dense_baselines_are_transforms_of_their_own(rng):
     assert state.feedback is None and (state.density == 1).all() and (state.count == 1).all()
     np.testing.assert_array_equal(state.bytes_sent, via_state.bytes_sent)
     assert (state.bytes_sent > 0).all()
+
+
+def run_levels(mesh, tx, grads_seq, levels):
+  """`run_steps` with `density_level=levels[t]` at step t."""
+  def body(*gs):
+    state = tx.init(gs[0])
+    outs = []
+    for g, level in zip(gs, levels, strict=True):
+      out, state = tx.update(g, state, density_level=level)
+      outs.append(out)
+    return outs, state
+  return run_workers(mesh, body, *grads_seq)
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "higtopk"])
+def test_dense_level_switch_loses_nothing(rng, nodes, local, algorithm):
+  """Sparse, dense form, sparse, sparse, dense form: a dense step sends every candidate (its
+  output is the mean of the gradients plus everything kept so far) and empties the residual;
+  sent plus kept equals the sum of the inputs after every step."""
+  p = nodes * local
+  levels = [0, 1, 0, 0, 1]  # one density level (no schedule): 1 is the dense form
+  seq = [grads_like(rng, p) for _ in levels]
+  tx = topk_allreduce(0.03, algorithm=algorithm, dense_level=True)
+  mesh = make_mesh(nodes, local)
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  n = leaves(seq[0]).shape[1]
+  sent, fed = np.zeros(n), np.zeros(n)
+  for t in range(1, len(levels) + 1):
+    outs, state = run_levels(mesh, tx, seq[:t], levels[:t])
+    out = leaves(outs[-1])
+    np.testing.assert_allclose(out, np.broadcast_to(out[0], out.shape))  # same on every worker
+    sent += out[0] * p
+    fed += leaves(seq[t - 1]).sum(0)
+    residual = np.asarray(state.feedback.residual, np.float64)
+    kept = (residual.reshape(nodes, -1).sum(0) if algorithm in ("hitopk", "higtopk")
+            else residual.sum(0))[:n]
+    np.testing.assert_allclose(sent + kept, fed, rtol=1e-4, atol=1e-4)
+    if levels[t - 1] == 1:
+      assert not residual.any()  # the dense form keeps nothing back ...
+      np.testing.assert_allclose(sent, fed, rtol=1e-4, atol=1e-4)  # ... and has sent it all
+      assert np.allclose(np.asarray(state.density), 1.0)
+    else:
+      assert np.count_nonzero(out[0]) < n // 2
+  want_bytes = 2 * (nodes - 1) / nodes * (np.ceil(n / local) * local / local) * 4
+  if algorithm != "allgather":  # the hierarchical dense form: the node all-reduce of a shard
+    assert np.asarray(state.bytes_sent).max() >= want_bytes
+
+
+def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
+  """Dense steps with momentum correction and masking: the velocity runs on (nothing is
+  masked), so a run of dense steps sends exactly momentum SGD's velocity of the summed
+  gradient; a sparse step after it starts from that velocity."""
+  nodes, local, m = 2, 4, 0.9
+  p = nodes * local
+  seq = [grads_like(rng, p) for _ in range(4)]
+  tx = topk_allreduce(0.02, momentum=m, momentum_masking=True, dense_level=True)
+  outs, state = run_levels(make_mesh(nodes, local), tx, seq, [1, 1, 1, 0])
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  velocity = np.zeros(leaves(seq[0]).shape[1])
+  for g, out in zip(seq[:3], outs[:3], strict=True):
+    velocity = m * velocity + leaves(g).sum(0)
+    np.testing.assert_allclose(leaves(out)[0] * p, velocity, rtol=1e-4, atol=1e-4)
+  assert np.count_nonzero(leaves(outs[3])[0]) < velocity.size // 2
+
+
+def test_dense_level_needs_a_sparse_algorithm_and_a_level_in_range(rng):
+  with pytest.raises(ValueError, match="dense_level=True needs a sparse algorithm"):
+    topk_allreduce(0.1, algorithm="dense", dense_level=True)
+  for dense, bad in ((False, 1), (True, 2)):
+    tx = topk_allreduce(0.1, dense_level=dense)
+    with pytest.raises(ValueError, match=f"density_level must be a Python int in \\[0, {bad}\\)"):
+      run_levels(make_mesh(2, 4), tx, [grads_like(rng, 8)], [bad])

@@ -148,3 +148,37 @@ def test_a_loss_target_is_reached_from_above():
   assert tta.steps_to_target(curve, 0.2, "accuracy")["step"] == 50
   assert tta.steps_to_target(curve, 4.0, "loss") is None
   assert tta.target_metric({"meta": {}}) == "accuracy"  # results written before it was stored
+
+
+def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
+  """--link-change: the link drops from 200 to 20 Mbit/s before step 7 of the quick recipe, and auto
+  (measuring every 5 steps) sees it; --stop-at-target: each run ends at its first evaluation at
+  or above the target; no sweep (the runs are timed end to end)."""
+  need_root("study")
+  out = tmp_path / "tta.json"
+  system = "auto-0.01-mc+compression.auto_every_steps=5"
+  assert tta.main(["--quick", "--systems", f"dense,{system}", "--phases", "runs",
+                   "--link-change", "20mbit@0.2", "--stop-at-target",
+                   "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert got["sweep"] == [] and got["meta"]["link_change"] == "20mbit@0.2"
+  target = got["meta"]["target"]
+  for run in got["train"]:
+    reached = [p["accuracy"] >= target for p in run["curve"]]
+    assert not any(reached[:-1])  # it stopped at the first evaluation that reached the target
+    assert reached[-1] or run["curve"][-1]["step"] == run["total_steps"]
+  auto_run = next(r for r in got["train"] if r["system"] == system)
+  choices = auto_run["exchange_choices"]
+  assert [c["step"] for c in choices][:2] == [0, 5]
+  assert choices[0]["link_MBps"] > 5  # --quick trains at 200 Mbit/s (25 MB/s) ...
+  after = [c for c in choices if c["step"] >= 7]
+  assert after and all(c["link_MBps"] < 5 for c in after)  # ... then 20 Mbit/s = 2.5 MB/s
+  md = out.with_suffix(".md").read_text()
+  assert "Training at 200mbit, then 20mbit from 20% of the recipe on" in md
+
+
+def test_link_change_is_checked():
+  assert tta.parse_link_change("100mbit@0.33") == (("100mbit", 10**8), 0.33)
+  for bad in ("100mbit", "100mbit@1.5", "100mbit@x", "fast@0.5"):
+    with pytest.raises(ValueError):
+      tta.parse_link_change(bad)

@@ -11,6 +11,7 @@ import ast
 import difflib
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -100,7 +101,8 @@ def _optimizer_defaults() -> ml_collections.ConfigDict:
 def _compression_defaults() -> ml_collections.ConfigDict:
   """The `compression` group: the exchange and its density schedule."""
   return ml_collections.ConfigDict({
-      "algorithm": "hitopk",    # hitopk | higtopk | allgather | gtopk | hierarchical | dense
+      # hitopk | higtopk | allgather | gtopk | hierarchical | dense | auto
+      "algorithm": "hitopk",
       "density": 0.01,
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
@@ -120,6 +122,19 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "balance": "global",
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
+      # algorithm "auto" (sparsejax.train.auto): the trainer chooses, on the host, between
+      # `auto_sparse` (with this group's density, warm-up and corrections) and its dense form
+      # (every candidate all-reduced, nothing kept back) from the link and compute it measures at
+      # the start and every `auto_every_steps` steps (0: only at the start; after the first,
+      # the link alone: a few small all-reduces), switching for a
+      # predicted gain over `auto_margin`. auto_step_factor: the sparse system's steps to the
+      # target over dense's (a property of the task and density: docs/auto.md has the measured
+      # ones). auto_schedule ((first_step, "dense" | "sparse"), ...) fixes the choices instead.
+      "auto_sparse": "hitopk",
+      "auto_step_factor": 1.1,
+      "auto_every_steps": 10,
+      "auto_margin": 0.05,
+      "auto_schedule": (),
   })
 
 
@@ -193,8 +208,9 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
        "optimizer.schedule", "one of cosine, linear, poly, step, constant")
   need(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", ">= 0")
   need(c.optimizer.warmup_epochs >= 0, "optimizer.warmup_epochs", ">= 0")
-  need(c.compression.algorithm in comm.ALGORITHMS,
-       "compression.algorithm", f"one of {', '.join(comm.ALGORITHMS)}")
+  need(c.compression.algorithm in comm.ALGORITHMS + ("auto",),
+       "compression.algorithm", f"one of {', '.join(comm.ALGORITHMS)}, auto")
+  _check_auto(c.compression, need)
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
   if c.compression.momentum_correction:
@@ -232,6 +248,22 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
        "data.resize_schedule", "((0, size), (epoch, size), ...) with rising epochs")
   if c.data.path and not os.path.exists(c.data.path):
     raise ValueError(f"config key 'data.path': {c.data.path!r} does not exist")
+
+
+def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], None]) -> None:
+  """The `compression.auto_*` keys."""
+  need(c.auto_sparse in comm.SPARSE_ALGORITHMS, "compression.auto_sparse",
+       f"one of {', '.join(comm.SPARSE_ALGORITHMS)}")
+  need(c.auto_step_factor > 0, "compression.auto_step_factor", "> 0")
+  need(c.auto_every_steps >= 0, "compression.auto_every_steps", ">= 0")
+  need(0 <= c.auto_margin < 1, "compression.auto_margin", "in [0, 1)")
+  entries = c.auto_schedule
+  ok = all(isinstance(e, tuple | list) and len(e) == 2 and isinstance(e[0], int)
+           and not isinstance(e[0], bool) and e[1] in ("dense", "sparse") for e in entries)
+  steps = [e[0] for e in entries] if ok else []
+  need(ok and steps == sorted(set(steps)) and (not steps or steps[0] == 0),
+       "compression.auto_schedule",
+       "((0, 'dense' | 'sparse'), (step, 'dense' | 'sparse'), ...) with rising steps")
 
 
 def _get(c: Any, dotted: str) -> Any:

@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 from sparsejax import data as data_lib
 from sparsejax import models
+from sparsejax.train import auto as auto_lib
 from sparsejax.train import checkpoint, schedules
 from sparsejax.train import config as config_lib
+from sparsejax.train import optimizer as optimizer_lib
 from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import make_mesh
 from sparsejax.train.metrics import MetricsWriter, NullWriter
@@ -76,6 +78,7 @@ class _Tally:
   skipped_steps: int
   wall_before: float  # seconds the earlier, resumed parts of the run took
   time_to_target: dict[str, Any] | None
+  exchange_choices: list[dict[str, Any]]  # algorithm "auto": every choice (auto.AutoExchange)
   evals: list[tuple[int, dict[str, float]]] = dataclasses.field(default_factory=list)
   t0: float = dataclasses.field(default_factory=time.time)
 
@@ -89,7 +92,8 @@ class _Tally:
     previous = saved if start and saved is not None else summary
     wall = max(float(previous.get("wall_time_s", 0.0)), float(summary.get("wall_time_s", 0.0)))
     return cls(previous, float(previous.get("bytes_sent", 0.0)),
-               int(previous.get("skipped_steps", 0)), wall, previous.get("time_to_target"))
+               int(previous.get("skipped_steps", 0)), wall, previous.get("time_to_target"),
+               [c for c in previous.get("exchange_choices", []) if c["step"] < start])
 
   def wall_time_s(self) -> float:
     return self.wall_before + time.time() - self.t0
@@ -110,7 +114,7 @@ class _Tally:
     """What a run resumed from a checkpoint written now carries on (`resume`'s `saved`)."""
     return {"bytes_sent": self.bytes_sent, "skipped_steps": self.skipped_steps,
             "wall_time_s": self.wall_time_s(), "time_to_target": self.time_to_target,
-            "best_eval": self.best(config)}
+            "best_eval": self.best(config), "exchange_choices": list(self.exchange_choices)}
 
   def add_eval(self, config: Any, step: int, metrics: dict[str, float]) -> None:
     """Keeps `metrics`; notes the time when the config's target metric is first reached."""
@@ -177,6 +181,7 @@ class _Job:
   steps_per_epoch: int
   total_steps: int
   stage_ends: set[int]  # steps where a resize stage ends (evaluated when the config asks)
+  auto: auto_lib.AutoExchange | None = None  # algorithm "auto": chooses the form before a step
 
   def run_eval(self, state: Any, step: int) -> Any:
     """Evaluates at `step` (the BatchNorm statistics synced first); returns the synced state."""
@@ -245,7 +250,10 @@ def _train(job: _Job, state: Any, start: int, show: bool,
       # progressive resizing: the size comes from the schedule, each size compiles once
       size = schedules.image_size(config.data.resize_schedule, step / job.steps_per_epoch)
       images, labels = job.data.train_batch(step, size)
-      state, metrics = job.train_step(step, state, *shard_batch(job.setup.mesh, images, labels))
+      batch = shard_batch(job.setup.mesh, images, labels)
+      if job.auto is not None:
+        job.auto.before_step(step, state, batch, job.writer)
+      state, metrics = job.train_step(step, state, *batch)
       pending.append(metrics)
       done = step + 1
       if done % config.log_every_steps == 0 or done == total_steps:
@@ -277,7 +285,7 @@ def _summary(config: Any, tally: _Tally, step: int, total_steps: int, stopped_by
       "final_eval": tally.evals[-1][1] if tally.evals and not interrupted else None,
       "best_eval": tally.best(config),
       "bytes_sent": tally.bytes_sent, "skipped_steps": tally.skipped_steps,
-      "devices": mesh.size, "mesh": dict(mesh.shape),
+      "exchange_choices": tally.exchange_choices, "devices": mesh.size, "mesh": dict(mesh.shape),
   }
 
 
@@ -297,17 +305,29 @@ def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
   return {round(start * steps_per_epoch) for start, _, _ in stages[1:]}
 
 
-def _per_level(setup: TrainSetup) -> Callable:
+def _per_level(setup: TrainSetup, level_of: Callable[[int], int | None]) -> Callable:
   """`(step, state, *batch) -> (state, metrics)`: the step compiled once per density level, the
-  level chosen on the host from the step."""
+  level chosen on the host from the step (`level_of`)."""
   train_steps: dict[int | None, Any] = {}
 
   def train_step(step, state, *batch):
-    level = setup.density_level(step)
+    level = level_of(step)
     if level not in train_steps:
       train_steps[level] = step_lib.jit_train_step(setup, state, level)
     return train_steps[level](state, *batch)
   return train_step
+
+
+def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,
+          tally: _Tally) -> auto_lib.AutoExchange | None:
+  """The chooser of algorithm "auto" (None for the others), its history carried in `tally`."""
+  if config.compression.algorithm != "auto":
+    return None
+  density = schedules.density(config.compression, steps_per_epoch)
+  return auto_lib.AutoExchange(
+      config, setup, state, sparse_level=setup.density_level,
+      dense_level=optimizer_lib.dense_level_index(config.compression, density),
+      history=tally.exchange_choices)
 
 
 def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> dict[str, Any]:
@@ -336,10 +356,12 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
     writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
     cleanup.callback(writer.close)
     summary_path = os.path.join(workdir, "summary.json")
-    job = _Job(config, setup, data, _per_level(setup), step_lib.jit_eval_step(setup, state),
-               step_lib.jit_sync_batch_stats(mesh), ckpt, writer,
-               _Tally.resume(summary_path, start, ckpt.meta(start)), steps_per_epoch,
-               total_steps, _stage_ends(config, steps_per_epoch))
+    tally = _Tally.resume(summary_path, start, ckpt.meta(start))
+    auto = _auto(config, setup, state, steps_per_epoch, tally)
+    job = _Job(config, setup, data, _per_level(setup, auto.level if auto else setup.density_level),
+               step_lib.jit_eval_step(setup, state), step_lib.jit_sync_batch_stats(mesh), ckpt,
+               writer, tally, steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch),
+               auto)
 
     # --- the loop
     state, step, stopped_by = _train(job, state, start, progress and lead, preemption)

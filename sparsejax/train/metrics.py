@@ -20,7 +20,7 @@ class MetricsWriter:
     self.workdir = workdir
     self.tb = EventWriter(os.path.join(workdir, "tensorboard"))
     self.columns: dict[str, list[str]] = {}
-    for split in ("train", "eval"):
+    for split in ("train", "eval", "auto"):
       path = self._path(split)
       if os.path.exists(path):
         with open(path, newline="") as f:

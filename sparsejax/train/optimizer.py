@@ -30,7 +30,8 @@ from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["build_optimizer", "MomentumCorrection", "momentum_correction", "compressor",
+__all__ = ["build_optimizer", "exchange_algorithm", "dense_level_index", "MomentumCorrection",
+           "momentum_correction", "compressor",
            "fused_optimizer", "weight_decay_first", "train_chain", "density_level_fn",
            "decay_mask", "NormState", "record_norm"]
 
@@ -64,11 +65,17 @@ class MomentumCorrection(NamedTuple):
   weight_decay: float  # added to the gradient in front of the compressor
 
 
+def exchange_algorithm(compression: Any) -> str:
+  """The algorithm the compressor is built for: `auto_sparse` under "auto" (which adds the
+  dense form), else `algorithm`."""
+  return compression.auto_sparse if compression.algorithm == "auto" else compression.algorithm
+
+
 def momentum_correction(config: Any) -> MomentumCorrection | None:
   """The config's momentum correction, or None when it has none (off, or a dense exchange:
   nothing is delayed there)."""
   c, o = config.compression, config.optimizer
-  if not (c.momentum_correction and c.algorithm in SPARSE_ALGORITHMS):
+  if not (c.momentum_correction and exchange_algorithm(c) in SPARSE_ALGORITHMS):
     return None
   return MomentumCorrection(o.momentum, o.nesterov, c.momentum_masking, o.weight_decay)
 
@@ -85,9 +92,9 @@ def compressor(compression: Any, density_schedule: Callable | None = None,
       "momentum_masking": correction.masking}
   if adam is not None:
     corrected = {"adam": adam}
-  return topk_allreduce(c.density, algorithm=c.algorithm, selector=c.selector,
+  return topk_allreduce(c.density, algorithm=exchange_algorithm(c), selector=c.selector,
                         error_feedback=c.error_feedback, density_schedule=density_schedule,
-                        balance=c.balance,
+                        balance=c.balance, dense_level=c.algorithm == "auto",
                         segments=None if layout is None else layout.segment_ids, **corrected)
 
 
@@ -181,8 +188,17 @@ def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.Scalar
 def density_level_fn(compression: Any, density_schedule: Callable | None
                      ) -> Callable[[int], int | None]:
   """`step -> level`: the compressor's density level at a step (an index into its levels),
-  chosen on the host; None when the density has no schedule or the exchange is dense."""
-  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS:
+  chosen on the host; None when the density has no schedule or the exchange is dense. Under
+  "auto" always a Python int (the sparse form's level; `dense_level_index` is the dense
+  form's)."""
+  if compression.algorithm == "auto" and density_schedule is None:
+    return lambda step: 0
+  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS + ("auto",):
     return lambda step: None
   levels = density_levels(compression.density)
   return lambda step: level_index(levels, float(density_schedule(step)))
+
+
+def dense_level_index(compression: Any, density_schedule: Callable | None) -> int:
+  """Under "auto": the level index of the compressor's dense form (its number of levels)."""
+  return len(density_levels(compression.density)) if density_schedule is not None else 1

@@ -26,7 +26,8 @@ from sparsejax.data import images as image_ops
 from sparsejax.train.mesh import WORKERS
 from sparsejax.train.state import TrainSetup, TrainState, map_per_worker, state_specs
 
-__all__ = ["train_step", "eval_step", "jit_train_step", "jit_eval_step", "jit_sync_batch_stats"]
+__all__ = ["train_step", "eval_step", "jit_train_step", "jit_eval_step", "jit_compute_step",
+           "jit_sync_batch_stats"]
 
 
 def _first(tree: Any) -> Any:
@@ -161,6 +162,22 @@ def jit_train_step(setup: TrainSetup, state_like: TrainState,
                            is_leaf=lambda x: isinstance(x, P))
   return jax.jit(fn, donate_argnums=0,
                  out_shardings=(shardings, NamedSharding(setup.mesh, P())))
+
+
+def jit_compute_step(setup: TrainSetup, state_like: TrainState) -> Callable:
+  """`(state, inputs, labels) -> float32[workers]`: the train step's forward and backward pass
+  alone (each worker's gradient norm; no exchange, no update, the state not donated): what
+  `sparsejax.train.auto` times as the step's compute."""
+  def body(state, inputs, labels):
+    rng = jax.random.fold_in(jax.random.key(setup.seed), state.step)
+    _, grads = jax.value_and_grad(functools.partial(_loss, setup), has_aux=True)(
+        setup.layout.unravel(state.params), _first(state.batch_stats), inputs, labels, rng)
+    return setup.layout.ravel(grads, jnp.float32).sum()[None]
+
+  fn = jax.shard_map(body, mesh=setup.mesh,
+                     in_specs=(state_specs(state_like), P(WORKERS), P(WORKERS)),
+                     out_specs=P(WORKERS), check_vma=False)
+  return jax.jit(fn)
 
 
 def jit_eval_step(setup: TrainSetup, state_like: TrainState) -> Callable:

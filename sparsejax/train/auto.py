@@ -1,0 +1,302 @@
+"""`compression.algorithm = "auto"`: the exchange chosen on the host, by measurement.
+
+The compressor is `compression.auto_sparse` built with its dense form (`topk_allreduce(...,
+dense_level=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
+residual). `AutoExchange` picks the form before a step, at the first step and every
+`auto_every_steps` steps after, from what it measures then (every process the same probes, each
+figure the slowest process's, so all processes choose alike):
+
+  link     an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
+           that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
+           bandwidth (`fit_link`);
+  compute  the train step's forward and backward pass alone (`step.jit_compute_step`);
+  select   the sparse form's local work on one shard at its final k: MSTopK with error feedback
+           and the scatter-add of every node's pairs.
+
+`predict` turns them into each form's step time with the library's cost model
+(`sparsejax.cost.exchange_time`: the dense form's all-reduce, the sparse form's collectives at
+the final density); `choose` compares the dense step with the sparse step times
+`auto_step_factor` (the sparse system's steps to the target over dense's: a property of the task
+and the density, which auto takes from the config and states in its log, never measures) and
+keeps the current form unless the other is predicted faster by more than `auto_margin`.
+Not modelled: the density warm-up's higher levels (their steps cost more than the final
+density's) and any overlap of the exchange with compute (the step runs them in sequence).
+
+`auto_schedule` fixes the forms by step instead (no measurement): for reproducible runs, the
+tests, and the best fixed schedule a study compares auto with. Each choice, with the figures
+behind it, is printed, written to `auto.csv` and kept in the checkpoints' and summary.json's
+"exchange_choices".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsejax import comm, cost
+from sparsejax import topk as topk_lib
+from sparsejax.train.mesh import WORKERS
+
+__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "scheduled", "AutoExchange",
+           "FORMS"]
+
+FORMS = ("dense", "sparse")
+PROBE_SMALL = 1024  # floats per worker in the small link probe (4 KiB)
+PROBE_REPS = 3
+PROBE_LARGE_S = 0.02  # the largest link probe takes about this long (where the shard allows)
+
+
+class Link(NamedTuple):
+  """The inter-node link as the probes saw it."""
+
+  fixed_s: float       # seconds per collective call, whatever its size
+  bytes_per_s: float   # a node's link, each direction (inf: too fast to tell from the probes)
+
+
+class Measurement(NamedTuple):
+  """What one measurement found (seconds)."""
+
+  link: Link
+  compute_s: float  # the step's forward and backward pass
+  select_s: float   # the sparse form's local work on one shard
+
+
+def fit_link(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
+  """The line `seconds = fixed_s + link_bytes / bytes_per_s` through the probes (least squares;
+  a bandwidth too high to see, a flat or falling line, is inf)."""
+  x, y = np.asarray(link_bytes, np.float64), np.asarray(seconds, np.float64)
+  if x.shape != y.shape or x.size < 2 or np.ptp(x) == 0:
+    raise ValueError(f"fit_link needs two or more probe sizes, got bytes {list(x)}, "
+                     f"seconds {list(y)}")
+  slope, intercept = np.polyfit(x, y, 1)
+  if slope <= 0:
+    return Link(float(max(y.min(), 0.0)), math.inf)
+  return Link(float(max(intercept, 0.0)), float(1.0 / slope))
+
+
+def _cluster(m: Measurement, nodes: int, local: int) -> cost.Cluster:
+  """The cost model's cluster of a measurement: the node link as measured (its fixed cost per
+  call), the links inside a node free (both forms move the same bytes there), the sparse form's
+  local work as measured."""
+  return cost.Cluster(nodes=nodes, local=local, inter_Bps=m.link.bytes_per_s, intra_Bps=math.inf,
+                      inter_alpha_s=0.0, intra_alpha_s=0.0, call_s=m.link.fixed_s,
+                      select_s=lambda n, k: m.select_s, pair_s=0.0, pass_s_per_value=0.0,
+                      allreduce_pipelined=True)
+
+
+def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
+            local: int) -> dict[str, float]:
+  """Seconds of one step in each form: {"dense": ..., "sparse": ...} (compute plus exchange,
+  in sequence), for an `n`-value gradient exchanged by `algorithm` at `density`."""
+  cl = _cluster(m, nodes, local)
+  dense = cost.exchange_time(comm.dense_form(algorithm), n, 1.0, cl)["total"]
+  sparse = cost.exchange_time(algorithm, n, density, cl)["total"]
+  return {"dense": m.compute_s + dense, "sparse": m.compute_s + sparse}
+
+
+def choose(step_s: dict[str, float], step_factor: float, current: str | None,
+           margin: float) -> str:
+  """The form with the shorter predicted time to the target (the sparse step times
+  `step_factor`), the `current` one unless the other is faster by more than `margin`."""
+  to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * step_factor}
+  best = min(FORMS, key=lambda f: to_target[f])
+  if current is None or best == current:
+    return best
+  return best if to_target[best] < (1.0 - margin) * to_target[current] else current
+
+
+def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
+  """The form `schedule` ((first_step, form), ...) gives `step`."""
+  form = schedule[0][1]
+  for first, f in schedule:
+    if first <= step:
+      form = f
+  return form
+
+
+# ----------------------------------------------------------------------------- the probes
+
+def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) -> float:
+  """The median seconds of `fn(*args)` over `reps` calls, after one untimed call (compilation,
+  first touches) if `warm`."""
+  if warm:
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _probe_link(mesh: Any, shard: int, warm: bool = True) -> Link:
+  """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
+  is fast enough that 64 KiB would not tell it from the fixed cost, at the size a first fit says
+  takes about `PROBE_LARGE_S` (at most the shard: the dense form's own size); fits the link."""
+  nodes, local = mesh.shape["node"], mesh.shape["local"]
+  if nodes == 1:
+    return Link(0.0, math.inf)
+  fn = _node_psum(mesh)
+  sharding = jax.sharding.NamedSharding(mesh, P(WORKERS))
+
+  def link_bytes(size: int) -> float:  # what crosses a node's link: `local` rings of 2(N-1)/N
+    return local * 2 * (nodes - 1) / nodes * size * 4
+
+  def seconds(size: int) -> float:
+    here = np.ones(len(mesh.local_devices) * size, np.float32)
+    return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here),
+                            warm=warm)])[0]
+
+  sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
+  times = [seconds(size) for size in sizes]
+  first = fit_link([link_bytes(s) for s in sizes], times)
+  large = shard if math.isinf(first.bytes_per_s) else min(
+      shard, int(PROBE_LARGE_S * first.bytes_per_s / link_bytes(1)))
+  if large > 2 * sizes[-1]:
+    sizes.append(large)
+    times.append(seconds(large))
+  return fit_link([link_bytes(s) for s in sizes], times)
+
+
+@functools.cache
+def _node_psum(mesh: Any) -> Callable:
+  """The link probe's all-reduce over "node" (compiled once per mesh and size)."""
+  return jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "node"), mesh=mesh, in_specs=P(WORKERS),
+                               out_specs=P(WORKERS)))
+
+
+@functools.cache
+def _select_work(selector: str, k: int, nodes: int) -> Callable:
+  """The sparse form's local work: selection with error feedback and the scatter-add of
+  `nodes` sets of k pairs (compiled once per shard size)."""
+  def work(x, residual):
+    values, indices, kept = topk_lib.select_feedback(selector, x, residual, k)
+    total = jnp.zeros_like(x).at[jnp.tile(indices, nodes)].add(jnp.tile(values, nodes))
+    return total, kept
+  return jax.jit(work)
+
+
+def _probe_select(selector: str, shard: int, k: int, nodes: int) -> float:
+  """Seconds of the sparse form's local work on one device (`_select_work` on a shard)."""
+  device = jax.local_devices()[0]
+  rng = np.random.default_rng(0)
+  x = jax.device_put(rng.standard_normal(shard).astype(np.float32), device)
+  r = jax.device_put(rng.standard_normal(shard).astype(np.float32) * 0.1, device)
+  return _timed(_select_work(selector, k, nodes), x, r)
+
+
+def _slowest(values: Sequence[float]) -> list[float]:
+  """Each value's maximum over the processes (the same list on every process)."""
+  if jax.process_count() == 1:
+    return [float(v) for v in values]
+  from jax.experimental import multihost_utils
+  gathered = multihost_utils.process_allgather(np.asarray(values, np.float64))
+  return [float(v) for v in np.asarray(gathered).reshape(-1, len(values)).max(0)]
+
+
+# ----------------------------------------------------------------------------- the controller
+
+class AutoExchange:
+  """Chooses the compressor's form before each step (see the module's docstring).
+
+  `level(step)` is the compressor's density level of the chosen form (the sparse form's from its
+  density schedule; `dense_level` for the dense form); `before_step` measures and chooses where
+  due. `history` (a list it appends to; carried through checkpoints by the caller) holds every
+  choice with the figures behind it."""
+
+  def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
+               dense_level: int, history: list[dict[str, Any]]):
+    from sparsejax.train import step as step_lib  # (step imports state, which needs no auto)
+    c = config.compression
+    self.compression = c
+    self.setup = setup
+    self.sparse_level, self.dense_level = sparse_level, dense_level
+    self.history = history
+    mesh = setup.mesh
+    self.nodes, self.local = mesh.shape["node"], mesh.shape["local"]
+    self.n = setup.layout.padded_size
+    hierarchical = c.auto_sparse in comm.HIERARCHICAL_ALGORITHMS
+    self.shard = self.n // self.local if hierarchical else self.n
+    self.k = max(1, round(c.density * self.shard))
+    self._compute = step_lib.jit_compute_step(setup, state_like)
+    self._first: Measurement | None = None  # this process's first measurement
+    self.lead = jax.process_index() == 0
+
+  @property
+  def form(self) -> str | None:
+    """The form in force (None before the first choice)."""
+    return self.history[-1]["form"] if self.history else None
+
+  def level(self, step: int) -> int:
+    """The compressor's level at `step` for the form in force."""
+    if self.compression.auto_schedule:
+      form = scheduled(self.compression.auto_schedule, step)
+    else:
+      form = self.form
+    return self.dense_level if form == "dense" else self.sparse_level(step)
+
+  def _due(self, step: int) -> bool:
+    c = self.compression
+    if c.auto_schedule:
+      return any(first == step for first, _ in c.auto_schedule) or not self.history
+    last = self.history[-1]["step"] if self.history else None
+    return last is None or (bool(c.auto_every_steps) and step % c.auto_every_steps == 0
+                            and last != step)
+
+  def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
+    """The link, compute and local-work probes (each the slowest process's); after this
+    process's first measurement the link alone (compute and selection do not change with it,
+    and the compute pass is the dearest probe: a step's forward and backward, four times)."""
+    link = _probe_link(self.setup.mesh, self.shard, warm=self._first is None)
+    if self._first is None:
+      compute, select = _slowest([
+          _timed(self._compute, state, *batch),
+          _probe_select(self.compression.selector, self.shard, self.k, self.nodes)])
+      self._first = Measurement(link, compute, select)
+    return self._first._replace(link=link)
+
+  def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
+    """Measures and chooses where due; logs the choice."""
+    if not self._due(step):
+      return
+    c = self.compression
+    entry: dict[str, Any] = {"step": step}
+    if c.auto_schedule:
+      entry.update(form=scheduled(c.auto_schedule, step), why="auto_schedule")
+    else:
+      m = self.measure(state, batch)
+      step_s = predict(m, algorithm=c.auto_sparse, n=self.n, density=c.density,
+                       nodes=self.nodes, local=self.local)
+      entry.update(form=choose(step_s, c.auto_step_factor, self.form, c.auto_margin),
+                   why="measured", link_MBps=m.link.bytes_per_s / 1e6,
+                   call_ms=1e3 * m.link.fixed_s, compute_ms=1e3 * m.compute_s,
+                   select_ms=1e3 * m.select_s, dense_step_ms=1e3 * step_s["dense"],
+                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=c.auto_step_factor)
+    self.history.append(entry)
+    if self.lead:
+      print(describe(entry, c), flush=True)
+      writer.write("auto", step, {"dense": float(entry["form"] == "dense"), **{
+          k: v for k, v in entry.items() if k not in ("step", "why", "form")}})
+
+
+def describe(entry: dict[str, Any], compression: Any) -> str:
+  """One log line for a choice."""
+  sparse = f"{compression.auto_sparse} {compression.density:g}"
+  head = f"sparsejax auto: step {entry['step']}: "
+  if entry["why"] != "measured":
+    return head + f"{entry['form']} ({entry['why']})"
+  return head + (
+      f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call, compute "
+      f"{entry['compute_ms']:.1f} ms, selection {entry['select_ms']:.1f} ms -> step dense "
+      f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
+      f"{entry['step_factor']:g} steps (assumed: auto_step_factor) = "
+      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}")

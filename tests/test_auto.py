@@ -1,0 +1,195 @@
+"""compression.algorithm = "auto": the model's pieces against hand-written formulas, a run whose
+forms follow a schedule (and resumes through a switch), a measured run, and a run on the emulated
+cluster whose link changes under it."""
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import override
+
+from sparsejax import cluster
+from sparsejax.train import auto, train_and_evaluate
+from sparsejax.train import config as config_lib
+from tests.conftest import need_root
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULE = ((0, "sparse"), (7, "dense"), (12, "sparse"))
+
+
+def read_csv(path):
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def auto_config(**changes):
+  """The quickstart's recipe (ResNet-20 on digits, 2 nodes x 4), 22 steps, under "auto"."""
+  config = config_lib.load_config(os.path.join(ROOT, "configs", "quickstart.py"))
+  config.num_epochs = 2.0
+  config.log_every_steps = 1
+  config.eval_every_steps = 10
+  config.checkpoint_every_steps = 10
+  config.compression.algorithm = "auto"
+  config.compression.warmup_epochs = 0.5
+  return override(config, changes)
+
+
+# ----------------------------------------------------------------------------- the model
+
+def test_fit_link_recovers_a_line_and_calls_a_flat_one_infinite():
+  rng = np.random.default_rng(5)
+  fixed, bps = rng.uniform(1e-4, 1e-3), rng.uniform(1e6, 1e9)
+  sizes = rng.uniform(1e3, 1e7, size=3)
+  link = auto.fit_link(sizes, fixed + sizes / bps)
+  assert link.fixed_s == pytest.approx(fixed, rel=1e-6)
+  assert link.bytes_per_s == pytest.approx(bps, rel=1e-6)
+  flat = auto.fit_link([4096, 1 << 20], [2e-4, 1.5e-4])
+  assert flat.bytes_per_s == math.inf and flat.fixed_s == pytest.approx(1.5e-4)
+  with pytest.raises(ValueError, match="two or more probe sizes"):
+    auto.fit_link([4096], [1e-3])
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 1), (3, 4)])
+def test_predict_is_the_alpha_beta_sum_of_each_form(nodes, local):
+  """Dense form (hierarchical): intra reduce-scatter and all-gather (a call each, free links)
+  and the node all-reduce of the shard; sparse (HiTopKComm): the same intra collectives, the
+  selection and the all-gather of k pairs per worker."""
+  rng = np.random.default_rng(nodes)
+  m = auto.Measurement(auto.Link(rng.uniform(1e-4, 1e-3), rng.uniform(1e6, 1e9)),
+                       compute_s=rng.uniform(0.01, 0.1), select_s=rng.uniform(1e-3, 1e-2))
+  n, density = 1_000_003 - 1_000_003 % local, 0.013
+  got = auto.predict(m, algorithm="hitopk", n=n, density=density, nodes=nodes, local=local)
+  intra = 2 * m.link.fixed_s if local > 1 else 0.0
+  shard = n / local
+  k = round(density * shard)
+  dense_link = local * 2 * (nodes - 1) / nodes * shard * 4  # `local` rings share the link
+  sparse_link = local * (nodes - 1) * k * 8
+  want_dense = m.compute_s + intra + m.link.fixed_s + dense_link / m.link.bytes_per_s
+  want_sparse = (m.compute_s + intra + m.select_s + m.link.fixed_s
+                 + sparse_link / m.link.bytes_per_s)
+  assert got["dense"] == pytest.approx(want_dense, rel=1e-9)
+  assert got["sparse"] == pytest.approx(want_sparse, rel=1e-9)
+
+
+def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
+  step_s = {"dense": 1.0, "sparse": 0.8}
+  assert auto.choose(step_s, 1.1, None, 0.05) == "sparse"  # 0.88 < 1
+  assert auto.choose(step_s, 1.3, None, 0.05) == "dense"   # 1.04 > 1
+  assert auto.choose(step_s, 1.22, "dense", 0.05) == "dense"  # 0.976: not 5% better
+  assert auto.choose(step_s, 1.22, "sparse", 0.05) == "sparse"
+  assert auto.choose(step_s, 1.1, "dense", 0.05) == "sparse"  # 0.88: 12% better
+  assert auto.scheduled(SCHEDULE, 0) == "sparse" and auto.scheduled(SCHEDULE, 7) == "dense"
+  assert auto.scheduled(SCHEDULE, 11) == "dense" and auto.scheduled(SCHEDULE, 40) == "sparse"
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"compression.algorithm": "fastest"}, "compression.algorithm.*auto"),
+    ({"compression.auto_sparse": "dense"}, "compression.auto_sparse"),
+    ({"compression.auto_step_factor": 0.0}, "compression.auto_step_factor"),
+    ({"compression.auto_margin": 1.0}, "compression.auto_margin"),
+    ({"compression.auto_schedule": ((3, "dense"),)}, "compression.auto_schedule"),
+    ({"compression.auto_schedule": ((0, "dense"), (5, "fast"))}, "compression.auto_schedule"),
+])
+def test_bad_auto_keys_are_named(changes, match):
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(auto_config(**changes))
+
+
+# ----------------------------------------------------------------------------- runs
+
+@pytest.fixture(scope="module")
+def scheduled_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("scheduled"))
+  summary = train_and_evaluate(auto_config(**{"compression.auto_schedule": SCHEDULE}), workdir,
+                               progress=False)
+  return workdir, summary
+
+
+def test_a_scheduled_run_switches_forms_where_told(scheduled_run):
+  workdir, summary = scheduled_run
+  rows = read_csv(os.path.join(workdir, "train.csv"))
+  assert [int(r["step"]) for r in rows] == list(range(1, 23))
+  for r in rows:
+    step = int(r["step"]) - 1  # the row of step s + 1 is step s's update
+    form = auto.scheduled(SCHEDULE, step)
+    assert (float(r["density"]) == 1.0) == (form == "dense"), r
+  dense_bytes = {float(r["bytes_sent"]) for r in rows if float(r["density"]) == 1.0}
+  sparse_bytes = [float(r["bytes_sent"]) for r in rows
+                  if float(r["density"]) == pytest.approx(0.01)]  # (the warm-up's send more)
+  assert len(dense_bytes) == 1 and sparse_bytes and max(sparse_bytes) < min(dense_bytes)
+  assert [(c["step"], c["form"]) for c in summary["exchange_choices"]] == [
+      (0, "sparse"), (7, "dense"), (12, "sparse")]
+  assert summary["final_eval"]["accuracy"] > 0.2
+
+
+def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_run, tmp_path):
+  workdir, summary = scheduled_run
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  for step in ("20", "22"):  # as if the run had died after the checkpoint at step 10 (dense)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", step))
+  os.remove(os.path.join(resumed, "summary.json"))
+  again = train_and_evaluate(auto_config(**{"compression.auto_schedule": SCHEDULE}), resumed,
+                             progress=False)
+  assert read_csv(os.path.join(resumed, "train.csv")) == read_csv(
+      os.path.join(workdir, "train.csv"))
+  assert read_csv(os.path.join(resumed, "eval.csv")) == read_csv(
+      os.path.join(workdir, "eval.csv"))
+  assert again["exchange_choices"] == summary["exchange_choices"]
+
+
+def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
+  summary = train_and_evaluate(auto_config(**{"compression.auto_every_steps": 10,
+                                              "num_epochs": 1.0}), str(tmp_path), progress=False)
+  choices = summary["exchange_choices"]
+  assert [c["step"] for c in choices] == [0, 10]
+  form = None
+  for c in choices:
+    assert c["why"] == "measured"
+    assert c["compute_ms"] > 0 and c["select_ms"] > 0 and c["link_MBps"] > 0
+    assert c["sparse_step_ms"] > c["compute_ms"] and c["dense_step_ms"] > c["compute_ms"]
+    form = auto.choose({"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]},
+                       c["step_factor"], form, 0.05)
+    assert c["form"] == form
+  rows = read_csv(tmp_path / "auto.csv")
+  assert [int(r["step"]) for r in rows] == [0, 10]
+  assert [float(r["dense"]) for r in rows] == [float(c["form"] == "dense") for c in choices]
+
+
+def test_auto_follows_a_link_that_changes_under_it(tmp_path):
+  """2 emulated nodes of one worker, ResNet-20 on digits: its dense exchange (1.1 MB) takes
+  ~0.45 s at 20 Mbit/s against ~16 ms of compute a step, so auto starts sparse; the link is
+  lifted once that first choice is logged, and the next measurement switches to the dense form
+  (its exchange then takes 0.3-7 ms: the lifted veth measured 160-3,600 Mbit/s). The sparse
+  form's steps are taken as 1.5x dense's, so that the choice after the lift is clear of the
+  probes' noise (at 1.1 it is within a few percent at the slowest lifted link seen)."""
+  need_root("tests")
+  workdir = tmp_path / "run"
+  argv = ["train", os.path.join(ROOT, "configs", "quickstart.py"), "--workdir", str(workdir),
+          "--no-progress", "--set", "mesh.local=1", "--set", "mesh.num_devices=2",
+          "--set", "batch_size=64", "--set", "num_epochs=3", "--set", "compression.algorithm=auto",
+          "--set", "compression.auto_every_steps=20", "--set", "compression.auto_step_factor=1.5",
+          "--set", "eval_every_steps=0",
+          "--set", "checkpoint_every_steps=0"]
+  out, result = io.StringIO(), {}
+  with cluster.EmulatedCluster(2, 20 * 10**6) as c:
+    worker = threading.Thread(target=lambda: result.update(rc=cluster.launch(
+        argv, nodes=2, procs_per_node=1, devices_per_proc=1, cluster=c, out=out)))
+    worker.start()
+    deadline = time.monotonic() + 240
+    while not (workdir / "auto.csv").exists() and time.monotonic() < deadline:
+      time.sleep(0.02)
+    c.set_rate(None)
+    worker.join(300)
+  assert result.get("rc") == 0, out.getvalue()[-3000:]
+  choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
+  assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
+  assert all(c["link_MBps"] > 10 and c["form"] == "dense" for c in choices[1:]), choices
+  assert "sparsejax auto: step 0:" in out.getvalue()
