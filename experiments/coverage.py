@@ -48,7 +48,7 @@ def trace(config, steps: int | None, window: int
   window of `window` steps) over the first `steps` steps of the recipe (default all)."""
   import jax
 
-  from experiments.time_to_accuracy import JaxRun
+  from experiments.jax_runner import JaxRun
   run = JaxRun(config, (config.mesh.nodes, config.mesh.local))
   layout = run.setup.layout
   names = leaf_names(layout, layout.shape_tree())

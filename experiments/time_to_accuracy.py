@@ -10,10 +10,11 @@ The task is a `sparsejax train` config (model, data.name, data.path, recipe, tar
 accuracy, or loss reached at or below, and target_value, eval_every_steps) with the same `--set`
 keys; each system only changes `compression.*` (a system name may add its own overrides:
 "hitopk-0.01+compression.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
-configs/tta_kjv_lm.py (a Transformer LM, AdamW). The PyTorch peer (experiments/torch_peer.py)
-builds the same model (`mlp` or `transformer_lm`, the same initialisation), reads the same batches
-of the same data (sparsejax's inputs for each step), and uses the same learning-rate schedule,
-optimizer and weight decay (kernels only).
+configs/tta_kjv_lm.py (a Transformer LM, AdamW). The runners are modules of their own:
+sparsejax's (experiments/jax_runner.py) runs the trainer's compiled steps; the PyTorch peer
+(experiments/torch_peer.py) builds the same model (`mlp` or `transformer_lm`, the same
+initialisation), reads the same batches of the same data (sparsejax's inputs for each step), and
+uses the same learning-rate schedule, optimizer and weight decay (kernels only).
 
 The cluster (link-bound by design): 2 nodes (`EmulatedCluster`, a network namespace each, tc tbf
 on both ends of each node's link), one process per node pinned to its own core (this machine has
@@ -66,6 +67,7 @@ if not __package__:  # run as `python experiments/time_to_accuracy.py`: import f
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import launch_workers  # noqa: E402
+from experiments.jax_runner import JaxRun  # noqa: E402 (sparsejax's runner)
 from experiments.results_io import command_line, footer, portable_path, write_results  # noqa: E402
 from experiments.torch_peer import TorchRun, torch_mlp  # noqa: E402, F401 (the peer's runner)
 
@@ -202,87 +204,6 @@ def pin_to_core(index: int) -> None:
 def _barrier_jax(name: str) -> None:
   from jax.experimental import multihost_utils
   multihost_utils.sync_global_devices(name)
-
-
-class JaxRun:
-  """One process's share of a sparsejax run: the trainer `sparsejax train` builds, compiled."""
-
-  def __init__(self, config, mesh_shape: tuple[int, int]):
-    import jax
-
-    from sparsejax import data as data_lib
-    from sparsejax.train.mesh import make_mesh
-    from sparsejax.train.state import from_config
-    from sparsejax.train.step import jit_eval_step, jit_train_step
-    self.config = config
-    self.data = data_lib.open_inputs(config)
-    self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
-    mesh = make_mesh(*mesh_shape)
-    self.setup, self.state = from_config(config, mesh, self.data.num_classes,
-                                         self.data.example(None),
-                                         steps_per_epoch=self.data.steps_per_epoch,
-                                         total_steps=self.total)
-    first = self.batch(0)
-    # one step per density level the run passes through (the trainer's choice, as `sparsejax
-    # train`), compiled before the clock starts (PyTorch has nothing to compile)
-    self.levels = [self.setup.density_level(s) for s in range(self.total)]
-    self.auto = self._auto(config, first)
-    extra = [self.auto.dense_level] if self.auto else []
-    self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
-        self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
-    self.eval_fn = jit_eval_step(self.setup, self.state)
-    self.jax = jax
-
-  def _auto(self, config, first):
-    """Algorithm "auto"'s chooser, its probes compiled (one measurement before the clock)."""
-    if config.compression.algorithm != "auto":
-      return None
-    from sparsejax.train import optimizer as optimizer_lib
-    from sparsejax.train import schedules
-    from sparsejax.train.auto import AutoExchange
-    density = schedules.density(config.compression, self.data.steps_per_epoch)
-    auto = AutoExchange(config, self.setup, self.state, sparse_level=self.setup.density_level,
-                        dense_level=optimizer_lib.dense_level_index(config.compression, density),
-                        history=[])
-    auto.measure(self.state, first)
-    return auto
-
-  def batch(self, step: int):
-    from sparsejax.train.state import shard_batch
-    return shard_batch(self.setup.mesh, *self.data.train_batch(step, None))
-
-  def step(self, step: int, wait: bool = False, level_step: int | None = None):
-    """One step on batch `step`, at the density level of step `level_step` (default `step`)."""
-    batch = self.batch(step)
-    if self.auto is not None and level_step is None:  # auto measures and chooses (on the clock)
-      from sparsejax.train.metrics import NullWriter
-      self.auto.before_step(step, self.state, batch, NullWriter())
-      level = self.auto.level(step)
-    else:
-      level = self.levels[min(step if level_step is None else level_step, self.total - 1)]
-    self.state, metrics = self.step_fns[level](self.state, *batch)
-    if wait:
-      self.jax.block_until_ready(self.state)
-    return metrics
-
-  def wait(self) -> None:
-    self.jax.block_until_ready(self.state)
-
-  def evaluate(self) -> dict[str, float]:
-    from sparsejax.train.loop import evaluate
-    return evaluate(self.setup, self.eval_fn, self.state, self.data, None)
-
-  def set_step(self, step: int) -> None:
-    """Moves the step counters: the train state's (learning rate) and every worker's
-    compression state's (the density schedule)."""
-    def put(old):
-      value = np.full(old.shape, step, np.int32)
-      return self.jax.make_array_from_callback(old.shape, old.sharding, lambda i: value[i])
-    opt = self.state.opt_state  # apply_if_finite_across((compressor, norm, optimizer))
-    comm = opt.inner_state[0]
-    inner = (comm._replace(count=put(comm.count)), *opt.inner_state[1:])
-    self.state = self.state._replace(step=put(self.state.step),
-                                     opt_state=opt._replace(inner_state=inner))
 
 
 # ----------------------------------------------------------------------------- workers
