@@ -229,11 +229,11 @@ def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Fee
   """The dense form of a sparse exchange: every candidate (the gradient plus the residual, with
   the correction's velocity or Adam direction) summed by an all-reduce; the residual emptied,
   the velocity and Adam moments run on (nothing is masked: a dense step with momentum
-  correction is momentum SGD's step). `(total (n,), feedback)`."""
+  correction is momentum SGD's step). `extra`: the correction's arguments, without balance
+  weights (everything is sent). `(total (n,), feedback)`."""
   if feedback is None:
     return comm.settle_dense(collective, part), None
   args = {**feedback_args, "masking": False}
-  extra = {k: v for k, v in extra.items() if k != "weights"}
   values, _, kept = feedback_select(part, feedback, part.shape[0], _everything, **args, **extra)
   return comm.settle_dense(collective, values), kept._replace(
       residual=jnp.zeros_like(feedback.residual))

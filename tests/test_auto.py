@@ -166,7 +166,7 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
 def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   """2 emulated nodes of one worker, ResNet-20 on digits: its dense exchange (1.1 MB) takes
   ~0.45 s at 20 Mbit/s against ~16 ms of compute a step, so auto starts sparse; the link is
-  lifted once that first choice is logged, and the next measurement switches to the dense form
+  lifted once that first choice is logged, and a later measurement switches to the dense form
   (its exchange then takes 0.3-7 ms: the lifted veth measured 160-3,600 Mbit/s). The sparse
   form's steps are taken as 1.5x dense's, so that the choice after the lift is clear of the
   probes' noise (at 1.1 it is within a few percent at the slowest lifted link seen)."""
@@ -191,5 +191,9 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   assert result.get("rc") == 0, out.getvalue()[-3000:]
   choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
-  assert all(c["link_MBps"] > 10 and c["form"] == "dense" for c in choices[1:]), choices
+  assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
+  # ... and auto switched to dense at one of them and stayed (on a loaded machine the first
+  # measurement after the lift can still predict sparse within the margin: one CI run did)
+  forms = [c["form"] for c in choices[1:]]
+  assert "dense" in forms and all(f == "dense" for f in forms[forms.index("dense"):]), choices
   assert "sparsejax auto: step 0:" in out.getvalue()
