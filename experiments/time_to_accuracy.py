@@ -125,6 +125,53 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05,
                           "compression.auto_step_factor": 1.22,
                           "compression.auto_every_steps": 10}),
+    # a dense finish: HiTopKComm (its density warm-up kept) to the step named, then its dense
+    # form (every candidate all-reduced, the residual emptied) to the end of the recipe
+    **{f"hitopk-{d}{w}-d{at}": ("jax", {
+        "compression.algorithm": "auto", "compression.density": d,
+        "compression.auto_schedule": ((0, "sparse"), (at, "dense")),
+        **({"compression.warmup_epochs": 0.5, "compression.warmup_density": 0.2} if w else {})})
+       for d, w, at in [(0.05, "-w0.5", 300), (0.05, "-w0.5", 375), (0.1, "-w0.5", 375),
+                        (0.05, "", 300)]},
+    # a dense start: the dense form to the step named, then HiTopKComm (no density warm-up)
+    **{f"hitopk-{d}-s{at}": ("jax", {
+        "compression.algorithm": "auto", "compression.density": d,
+        "compression.warmup_epochs": 0.0,
+        "compression.auto_schedule": ((0, "dense"), (at, "sparse"))})
+       for d, at in [(0.05, 60), (0.05, 114), (0.1, 60), (0.05, 57), (0.1, 57)]},
+    # 1-bit Adam's recipe (Tang et al., 2021) on HiTopKComm: dense for the first eighth of the
+    # recipe (57 steps of the Transformer's 457), AdamW's second moment frozen from there, then
+    # HiTopKComm with error feedback (with the variance frozen Adam is linear in the gradients,
+    # so a delayed gradient moves the parameters as far as the gradients it holds)
+    "hitopk-0.05-1bit": ("jax", {
+        "compression.algorithm": "auto", "compression.density": 0.05,
+        "compression.warmup_epochs": 0.0, "optimizer.freeze_variance_epochs": 0.125,
+        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
+    "hitopk-0.05-1bit-w0.5": ("jax", {
+        "compression.algorithm": "auto", "compression.density": 0.05,
+        "compression.warmup_epochs": 0.5, "compression.warmup_density": 0.2,
+        "optimizer.freeze_variance_epochs": 0.125,
+        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
+    "hitopk-0.1-1bit": ("jax", {
+        "compression.algorithm": "auto", "compression.density": 0.1,
+        "compression.warmup_epochs": 0.0, "optimizer.freeze_variance_epochs": 0.125,
+        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
+    "dense-fv": ("jax", {"compression.algorithm": "dense",
+                         "optimizer.freeze_variance_epochs": 0.125}),
+    # the one-step pipelined exchange (sparsejax.train.pipelined) on two devices per worker:
+    # each gradient computed while the previous one is exchanged and applied
+    "dense-pipe": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device"}),
+    "dense-pipe-f0.25": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
+                                 "compression.pipeline_from_epochs": 0.25}),
+    "hitopk-0.05-w0.5-pipe": ("jax", {"compression.algorithm": "hitopk",
+                                      "compression.density": 0.05,
+                                      "compression.warmup_epochs": 0.5,
+                                      "compression.warmup_density": 0.2,
+                                      "compression.pipeline": "device"}),
+    "hitopk-0.01-mc-pipe": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01,
+                                    "compression.momentum_correction": True,
+                                    "compression.momentum_masking": False,
+                                    "compression.pipeline": "device"}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }
@@ -185,14 +232,20 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   from sparsejax import comm
   from sparsejax.compress import density_levels, level_index
   from sparsejax.train import schedules
+  from sparsejax.train.auto import scheduled
   c = config.compression
-  if c.algorithm not in comm.SPARSE_ALGORITHMS:
+  fixed_auto = c.algorithm == "auto" and c.auto_schedule  # the forms fixed by step
+  if c.algorithm not in comm.SPARSE_ALGORITHMS and not fixed_auto:
     return np.ones(total)
   schedule = schedules.density(c, steps_per_epoch)
   if schedule is None:
-    return np.full(total, c.density)
-  levels = density_levels(c.density)  # rounded up as the trainer does (compress.level_index)
-  return np.asarray([levels[level_index(levels, float(schedule(s)))] for s in range(total)])
+    dens = np.full(total, c.density)
+  else:
+    levels = density_levels(c.density)  # rounded up as the trainer does (compress.level_index)
+    dens = np.asarray([levels[level_index(levels, float(schedule(s)))] for s in range(total)])
+  if fixed_auto:  # the dense form's steps send everything
+    dens = np.where([scheduled(c.auto_schedule, s) == "dense" for s in range(total)], 1.0, dens)
+  return dens
 
 
 def pin_to_core(index: int) -> None:
@@ -211,14 +264,21 @@ def _barrier_jax(name: str) -> None:
 def _worker_setup(args):
   """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core."""
   rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
-  pin_to_core(rank)
   runtime, options = system_spec(args.system)
   config = load_task(args.config, json.loads(args.sets), args.system, args.seed)
   if runtime == "jax":
     from sparsejax import cluster
     cluster.initialize()
+    import jax
+    jax.devices()
+    # pinned once XLA has started: its executor pool is sized by the cores the process may use
+    # when it starts, and one thread would run the pipelined exchange's two programs one after
+    # the other (the gloo collective blocks its thread). Unpipelined steps time the same
+    # either way (dense at 200 Mbit/s: 282 vs 284 ms, docs/overlap.md).
+    pin_to_core(rank)
     run: Any = JaxRun(config, (config.mesh.nodes, config.mesh.local))
   else:
+    pin_to_core(rank)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['SPARSEJAX_COORDINATOR']}",
                             rank=rank, world_size=NODES)
@@ -245,9 +305,10 @@ def run_worker(args) -> None:
          "steps_per_epoch": run.data.steps_per_epoch,
          "curve": train_phase(config, run, args, lead)}
   auto = getattr(run, "auto", None)
-  if auto is not None:  # its forms follow the link: no step time per level to sweep
+  if auto is not None:  # measuring, its forms follow the link: no step time per level to sweep
     row["exchange_choices"] = auto.history
-  row["sweep"] = [] if auto is not None else sweep_phase(args, run, lead)
+  measuring = auto is not None and not config.compression.auto_schedule
+  row["sweep"] = [] if measuring else sweep_phase(args, run, lead)
   if lead:
     with open(args.worker_out, "w") as f:
       json.dump([row], f)
@@ -322,6 +383,9 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
       rows.append({"system": args.system, "seed": args.seed, "bandwidth": name, "rate_bps": bps,
                    "density": density, "step_s": statistics.median(times),
                    "node0_link_bytes_per_step": (_link_bytes() - sent0) / args.reps})
+      if getattr(run, "pipe", None) is not None:  # the pipelined step's halves and timeline
+        rows[-1].update(run.pipeline_phases(at_step + args.warmup + args.reps, at_step,
+                                            args.reps))
   return rows
 
 
@@ -375,7 +439,9 @@ def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict
   argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
           *extra]
   runtime = system_spec(system)[0]
-  local = load_task(args.config, args.sets).mesh.local
+  task = load_task(args.config, args.sets, system)
+  # a pipelined exchange on two devices per worker ("device") needs twice the devices
+  local = task.mesh.local * (2 if task.compression.pipeline == "device" else 1)
   with _exclusive(args.lock):
     return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
                           devices_per_proc=local if runtime == "jax" else 1, log=log,
@@ -642,9 +708,60 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
       for system, e in shares.items():
         lines.append(f"| {system} | {e['unlimited_step_s'] * 1e3:.1f} | "
                      f"{100 * e['exchange_share_unlimited']:.0f}% |")
+  lines += _pipeline_lines(results)
   m = results["meta"]
   lines += ["", footer(m)]
   return "\n".join(lines)
+
+
+def pipeline_overlap(results: dict) -> dict[str, dict[str, dict[str, list[float]]]]:
+  """Per pipelined system and bandwidth, at its final density, per seed: the halves alone
+  (compute_s, exchange_s), the pipelined step (step_s), its twin's step without the pipeline
+  (serial_s, the system named without "-pipe", same seed), the timeline's ends, and the hidden
+  fraction of the exchange: (compute + exchange - step) / exchange."""
+  rows = [r for r in results.get("sweep", []) if "compute_s" in r]
+  final = {}
+  for r in rows:
+    final[r["system"]] = min(final.get(r["system"], 1.0), r["density"])
+  serial = {(r["system"], r["seed"], r["bandwidth"], r["density"]): r["step_s"]
+            for r in results.get("sweep", [])}
+  out: dict[str, dict[str, dict[str, list[float]]]] = {}
+  for r in rows:
+    if r["density"] != final[r["system"]]:
+      continue
+    twin = serial.get((r["system"].removesuffix("-pipe"), r["seed"], r["bandwidth"],
+                       r["density"]))
+    cell = out.setdefault(r["system"], {}).setdefault(r["bandwidth"], {})
+    values = {k: r[k] for k in ("compute_s", "exchange_s", "step_s", "compute_end_s",
+                                "exchange_end_s")}
+    values["hidden"] = (r["compute_s"] + r["exchange_s"] - r["step_s"]) / r["exchange_s"]
+    if twin is not None:
+      values["serial_s"] = twin
+    for k, v in values.items():
+      cell.setdefault(k, []).append(v)
+  return out
+
+
+def _pipeline_lines(results: dict) -> list[str]:
+  """The pipelined systems' overlap table."""
+  got = pipeline_overlap(results)
+  if not got:
+    return []
+  lines = ["", "The pipelined exchange, one rank, at the final density (ms, seeds min / median /"
+           " max): the gradient alone, the exchange and update alone, one pipelined step (both "
+           "dispatched together), the same system's step without the pipeline, when each half "
+           "of a pipelined step ends (a thread waiting on each), and the hidden fraction of the "
+           "exchange, (gradient + exchange - pipelined step) / exchange:", "",
+           "| system | link | gradient | exchange | pipelined step | unpipelined step | "
+           "gradient ends | exchange ends | hidden |", "|---|---|" + "---:|" * 7]
+  for system, by in got.items():
+    for bandwidth, v in by.items():
+      keys = ("compute_s", "exchange_s", "step_s", "serial_s", "compute_end_s",
+              "exchange_end_s")
+      ms = [_fmt_range(v[k], 1e3) if v.get(k) else "-" for k in keys]
+      lines.append(f"| {system} | {bandwidth} | " + " | ".join(ms) + " | "
+                   + _fmt_range(v["hidden"], 100, 0) + "% |")
+  return lines
 
 
 def _choice_lines(results: dict) -> list[str]:

@@ -50,8 +50,9 @@ def _train(args: argparse.Namespace) -> int:
   except Exception as e:  # noqa: BLE001 - jax raises various errors when peers are unreachable
     print(f"sparsejax train: cannot start jax.distributed: {e}", file=sys.stderr)
     return 4
-  if not distributed:
-    _ensure_cpu_devices(config.mesh.num_devices)
+  if not distributed:  # a pipelined exchange on two devices per worker: twice the devices
+    _ensure_cpu_devices(config.mesh.num_devices * (
+        2 if config.compression.pipeline == "device" else 1))
   from sparsejax.train import CheckpointError, TooManySkippedSteps, train_and_evaluate
 
   workdir = args.workdir or os.path.join(

@@ -607,13 +607,15 @@ def _check_adam(b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar) -> tuple[
 
 
 def _adam_scalars(lr: jax.Array, count_inc: jax.Array, b1: Scalar, b2: Scalar,
-                  nesterov: bool) -> jax.Array:
+                  nesterov: bool, variance_count: jax.Array | None = None) -> jax.Array:
   """float32[4]: the learning rate and the bias-correction factors (cm, cv, cg) of
   `m * cm + g * cg` and `v * cv` (optax.scale_by_adam's mu_hat and nu_hat), from one tiny kernel
-  (fewer launches)."""
+  (fewer launches). `variance_count`: the updates the second moment has had (default
+  `count_inc`; fewer when it is frozen)."""
   t = count_inc.astype(jnp.float32)
+  tv = t if variance_count is None else variance_count.astype(jnp.float32)
   b1, b2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
-  cv = 1.0 / (1.0 - b2 ** t)
+  cv = 1.0 / (1.0 - b2 ** tv)
   if nesterov:
     cm, cg = b1 / (1.0 - b1 ** (t + 1.0)), (1.0 - b1) / (1.0 - b1 ** t)
   else:
@@ -641,8 +643,8 @@ def _adam_moments(plan: _Plan, g, mu, nu, b1: Scalar, b2: Scalar):
 def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 0.999,
                 eps: Scalar = 1e-8, eps_root: Scalar = 0.0, mu_dtype: Any = None,
                 weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
-                nesterov: bool = False, layout: FlatLayout | None = None
-                ) -> optax.GradientTransformationExtraArgs:
+                nesterov: bool = False, freeze_variance_after: int | None = None,
+                layout: FlatLayout | None = None) -> optax.GradientTransformationExtraArgs:
   """`optax.adamw`, fused: Adam direction plus decoupled weight decay, times -learning_rate.
 
   Args:
@@ -652,10 +654,19 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
     weight_decay: >= 0 or a schedule; mask: which leaves get it (bool tree, prefix or
       callable); None = all.
     nesterov: Nesterov momentum (NAdamW), as optax.adamw(nesterov=True).
+    freeze_variance_after: None, or a step count >= 1 after which the second moment stops
+      changing (with its bias correction): 1-bit Adam's frozen variance (Tang et al., 2021).
+      Adam is then linear in the gradients, so a delayed, bursty gradient (error feedback)
+      moves the parameters as far as the gradients it holds.
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
   b1, b2, eps, eps_root = _check_adam(b1, b2, eps, eps_root)
+  if freeze_variance_after is not None and (
+      isinstance(freeze_variance_after, bool) or not isinstance(freeze_variance_after, int)
+      or freeze_variance_after < 1):
+    raise ValueError(f"freeze_variance_after must be None or an int >= 1, got "
+                     f"{freeze_variance_after!r}")
   mu_dtype = _check_state_dtype("mu_dtype", mu_dtype)
   weight_decay = _check_lr(weight_decay, "weight_decay")
   mask = _check_mask("mask", mask)
@@ -669,10 +680,18 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
     return FusedAdamState(jnp.zeros([], jnp.int32), buffer(mu_dtype),
                           buffer(np.dtype(np.float32)))
 
+  def variance(count_inc):
+    """(this step's b2: 1 once frozen, the second moment's update count)."""
+    if freeze_variance_after is None:
+      return b2, None
+    return (jnp.where(count_inc > freeze_variance_after, 1.0, b2),
+            jnp.minimum(count_inc, freeze_variance_after))
+
   def update_flat(plan, g, state, p):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov)
-    mu, nu = _adam_moments(plan, g, state.mu, state.nu, b1, b2)
+    b2_now, tv = variance(count_inc)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov, tv)
+    mu, nu = _adam_moments(plan, g, state.mu, state.nu, b1, b2_now)
     u = _adam_step(plan, mu, nu, g, scalars, eps, eps_root, nesterov)
     if decayed:
       u = u + _decay(plan, _at(weight_decay, state.count)) * p
@@ -680,9 +699,10 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
 
   def kernel(plan, gs, state, ps, flat):
     count_inc = optax.safe_increment(state.count)
-    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov)
+    b2_now, tv = variance(count_inc)
+    scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov, tv)
     scalars = jnp.concatenate([scalars, _scalars(
-        b1, b2, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
+        b1, b2_now, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
         flat=flat, decayed=decayed, nesterov=nesterov)

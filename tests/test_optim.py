@@ -1,5 +1,7 @@
 """The fused optimizers: one common suite run on both faces and, as its control, on optax itself."""
 
+import contextlib
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsejax import hlo, optim
+from sparsejax import cpu_kernels, hlo, optim
 from sparsejax.flat import FlatLayout
 
 SHAPES = {"conv": (3, 3, 5, 7), "dense": {"kernel": (13, 11), "bias": (11,)}, "scale": (),
@@ -337,3 +339,41 @@ def test_flat_face_rejects_buffers_of_the_wrong_length():
   state = tx.init(jnp.zeros(layout.padded_size))
   with pytest.raises(ValueError, match="params"):
     tx.update(jnp.zeros(layout.padded_size), state)
+
+
+@pytest.mark.parametrize("path", ["kernel", "xla"])
+@pytest.mark.parametrize("impl", ["pytree", "flat"])
+def test_adamw_with_a_frozen_variance_equals_numpy(rng, impl, path):
+  """freeze_variance_after=F: Adam's second moment (and its bias correction) stop changing
+  after F steps; the first moment and the decay run on. Checked against numpy, on the CPU
+  kernel and on the XLA path (GPU's)."""
+  lr, b1, b2, eps, wd, freeze = 0.01, 0.8, 0.95, 1e-6, 0.02, 3
+  params = random_tree(rng)
+  grads_seq = [random_tree(rng, zero_leaf=False) for _ in range(7)]
+  kwargs = dict(learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd,
+                freeze_variance_after=freeze)
+  if impl == "pytree":
+    tx = optim.fused_adamw(**kwargs)
+  else:
+    layout = FlatLayout.from_tree(params, pad_to=8, align=16)
+    tx = FlatFace(lambda lay: optim.fused_adamw(**kwargs, layout=lay), layout)
+  with contextlib.ExitStack() as stack:
+    if path == "xla":
+      stack.enter_context(cpu_kernels.disabled())
+    _, got_p, _ = run(tx, params, grads_seq)
+
+  p = [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+  m, v2 = [np.zeros_like(x) for x in p], [np.zeros_like(x) for x in p]
+  for t, g in enumerate(grads_seq, start=1):
+    for i, gi in enumerate(jax.tree.leaves(g)):
+      gi = np.asarray(gi, np.float64)
+      m[i] = b1 * m[i] + (1 - b1) * gi
+      if t <= freeze:
+        v2[i] = b2 * v2[i] + (1 - b2) * gi * gi
+      m_hat, v_hat = m[i] / (1 - b1 ** t), v2[i] / (1 - b2 ** min(t, freeze))
+      p[i] = p[i] - lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * p[i])
+    for i, got in enumerate(jax.tree.leaves(got_p[t - 1])):
+      np.testing.assert_allclose(np.asarray(got), p[i], rtol=2e-5, atol=1e-6,
+                                 err_msg=f"step {t}, leaf {i}")
+  with pytest.raises(ValueError, match="freeze_variance_after.*0"):
+    optim.fused_adamw(0.1, freeze_variance_after=0)

@@ -94,6 +94,12 @@ def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
   dense = tta.load_task(CONFIG, [], "dense")
   assert np.all(tta.density_per_step(dense, 200, 7) == 1.0)
   assert tta.level_steps(config, 200, 60)[0] == [float(dens[0]), 0]
+  # algorithm auto with its forms fixed by step: the dense form's steps at 1.0, the sparse
+  # form's on its warm-up (here none: its final density)
+  fixed = tta.load_task(CONFIG, ["compression.warmup_epochs=0.0"], "hitopk-0.05-s60")
+  dens = tta.density_per_step(fixed, 200, 90)
+  assert np.all(dens[:60] == 1.0) and np.all(dens[60:] == 0.05)
+  assert tta.level_steps(fixed, 200, 90) == [[1.0, 0], [0.05, 60]]
 
 
 def test_analysis_sums_steps_per_level_times_median_step_time():
@@ -182,3 +188,33 @@ def test_link_change_is_checked():
   for bad in ("100mbit", "100mbit@1.5", "100mbit@x", "fast@0.5"):
     with pytest.raises(ValueError):
       tta.parse_link_change(bad)
+
+
+def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overlap(tmp_path):
+  """The pipelined exchange on the emulated cluster (each node process two CPU devices, the
+  gradient on the second, the parameters and gradient moved between them): it trains to the
+  quick target, and the sweep times its halves alone and together."""
+  need_root("study")
+  out = tmp_path / "tta.json"
+  assert tta.main(["--quick", "--systems", "hitopk-0.01-mc-pipe", "--phases", "runs",
+                   "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  run, = got["train"]
+  assert run["curve"][-1]["accuracy"] >= got["meta"]["target"]
+  rows = [r for r in got["sweep"] if r["system"] == "hitopk-0.01-mc-pipe"]
+  assert rows and all(r["compute_s"] > 0 and r["exchange_s"] > 0 and r["step_s"] > 0
+                      and 0 < r["compute_end_s"] and 0 < r["exchange_end_s"] for r in rows)
+  overlap = tta.pipeline_overlap(got)["hitopk-0.01-mc-pipe"]
+  assert set(overlap) == {"unlimited", "200mbit"}
+  assert "The pipelined exchange, one rank" in out.with_suffix(".md").read_text()
+
+
+def test_hidden_fraction_is_what_the_step_saves_over_the_halves():
+  rows = [{"system": "s-pipe", "seed": 0, "bandwidth": "b", "density": d, "step_s": 0.30,
+           "compute_s": 0.10, "exchange_s": 0.25, "compute_end_s": 0.11,
+           "exchange_end_s": 0.29} for d in (0.25, 0.01)]
+  rows.append({"system": "s", "seed": 0, "bandwidth": "b", "density": 0.01, "step_s": 0.36})
+  got = tta.pipeline_overlap({"sweep": rows})
+  cell = got["s-pipe"]["b"]  # the final density only
+  assert cell["hidden"] == [pytest.approx((0.10 + 0.25 - 0.30) / 0.25)]
+  assert cell["serial_s"] == [0.36]

@@ -95,6 +95,9 @@ def _optimizer_defaults() -> ml_collections.ConfigDict:
       "weight_decay": 1e-4,     # never on BatchNorm parameters and biases (1-D leaves)
       "trust_coefficient": 0.001,
       "b1": 0.9, "b2": 0.999, "eps": 1e-8,
+      # adamw: the second moment frozen after this many epochs (1-bit Adam's frozen variance:
+      # Adam then is linear in the gradients, as error feedback needs); 0 = never
+      "freeze_variance_epochs": 0.0,
   })
 
 
@@ -135,6 +138,15 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "auto_every_steps": 10,
       "auto_margin": 0.05,
       "auto_schedule": (),
+      # a one-step pipelined exchange (sparsejax.train.pipelined): each step computes its
+      # gradient while the previous step's is exchanged and applied (staleness 1). "" off;
+      # "device": two devices per worker, the gradient on the second (the CPU path; the CLI
+      # asks for twice mesh.num_devices, `sparsejax launch` needs --devices-per-proc 2 x);
+      # "program": both halves in one program (XLA's async collectives overlap them on GPU).
+      "pipeline": "",
+      # the first pipelined step, in epochs (the steps before it unpipelined: a late gradient
+      # costs most in the early, fast-moving steps)
+      "pipeline_from_epochs": 0.0,
   })
 
 
@@ -211,6 +223,7 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.compression.algorithm in comm.ALGORITHMS + ("auto",),
        "compression.algorithm", f"one of {', '.join(comm.ALGORITHMS)}, auto")
   _check_auto(c.compression, need)
+  _check_pipeline_and_variance(c, need)
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
   if c.compression.momentum_correction:
@@ -264,6 +277,22 @@ def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], N
   need(ok and steps == sorted(set(steps)) and (not steps or steps[0] == 0),
        "compression.auto_schedule",
        "((0, 'dense' | 'sparse'), (step, 'dense' | 'sparse'), ...) with rising steps")
+
+
+def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
+                                 need: Callable[[bool, str, str], None]) -> None:
+  """`compression.pipeline*` and `optimizer.freeze_variance_epochs`."""
+  need(c.optimizer.freeze_variance_epochs >= 0, "optimizer.freeze_variance_epochs", ">= 0")
+  if c.optimizer.freeze_variance_epochs:
+    need(c.optimizer.name == "adamw" and not c.compression.momentum_correction,
+         "optimizer.freeze_variance_epochs",
+         "0 unless optimizer.name is adamw without compression.momentum_correction")
+  need(c.compression.pipeline in ("", "program", "device"), "compression.pipeline",
+       "'' (off), 'program' or 'device'")
+  need(c.compression.pipeline_from_epochs >= 0, "compression.pipeline_from_epochs", ">= 0")
+  if c.compression.pipeline:
+    need(c.compression.algorithm != "auto", "compression.pipeline",
+         "'' with compression.algorithm 'auto' (not pipelined yet)")
 
 
 def _get(c: Any, dotted: str) -> Any:

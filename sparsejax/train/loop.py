@@ -24,8 +24,8 @@ from sparsejax.train import auto as auto_lib
 from sparsejax.train import checkpoint, schedules
 from sparsejax.train import config as config_lib
 from sparsejax.train import optimizer as optimizer_lib
+from sparsejax.train import pipelined as pipeline_lib
 from sparsejax.train import step as step_lib
-from sparsejax.train.mesh import make_mesh
 from sparsejax.train.metrics import MetricsWriter, NullWriter
 from sparsejax.train.state import TrainSetup, from_config, place, shard_batch
 
@@ -172,7 +172,7 @@ class _Job:
   config: Any
   setup: TrainSetup
   data: data_lib.Inputs
-  train_step: Callable  # (step, state, *batch) -> (state, metrics)
+  train_step: Callable  # (step, state, *batch) -> (state, [metrics of each update made])
   eval_step: Callable
   sync: Callable  # state -> state with the BatchNorm statistics averaged over the workers
   ckpt: checkpoint.Checkpointer
@@ -254,9 +254,9 @@ def _train(job: _Job, state: Any, start: int, show: bool,
       if job.auto is not None:
         job.auto.before_step(step, state, batch, job.writer)
       state, metrics = job.train_step(step, state, *batch)
-      pending.append(metrics)
+      pending.extend(metrics)
       done = step + 1
-      if done % config.log_every_steps == 0 or done == total_steps:
+      if pending and (done % config.log_every_steps == 0 or done == total_steps):
         job.log(pending, done, state, bar)
         pending = []
       bar.update(1)
@@ -306,16 +306,29 @@ def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
 
 
 def _per_level(setup: TrainSetup, level_of: Callable[[int], int | None]) -> Callable:
-  """`(step, state, *batch) -> (state, metrics)`: the step compiled once per density level, the
-  level chosen on the host from the step (`level_of`)."""
+  """`(step, state, *batch) -> (state, [metrics])`: the step compiled once per density level,
+  the level chosen on the host from the step (`level_of`)."""
   train_steps: dict[int | None, Any] = {}
 
   def train_step(step, state, *batch):
     level = level_of(step)
     if level not in train_steps:
       train_steps[level] = step_lib.jit_train_step(setup, state, level)
-    return train_steps[level](state, *batch)
+    state, metrics = train_steps[level](state, *batch)
+    return state, [metrics]
   return train_step
+
+
+def _train_step(config: Any, setup: TrainSetup, state: Any,
+                auto: auto_lib.AutoExchange | None, steps_per_epoch: int, total_steps: int,
+                compute_mesh: Any) -> Callable:
+  """The loop's `(step, state, *batch) -> (state, [metrics])`: pipelined where
+  `compression.pipeline` says so, else one compiled step per density level."""
+  if state.pending is None:
+    return _per_level(setup, auto.level if auto else setup.density_level)
+  return pipeline_lib.Pipeline(
+      setup, state, setup.density_level, total_steps, config.compression.pipeline,
+      compute_mesh, start=round(config.compression.pipeline_from_epochs * steps_per_epoch))
 
 
 def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,
@@ -336,7 +349,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   # --- checks that need no compilation
   config = config_lib.validate(config)
   workdir = check_workdir(workdir)
-  mesh = make_mesh(config.mesh.nodes, config.mesh.local)
+  placement = config.compression.pipeline
+  mesh, compute_mesh = pipeline_lib.meshes(config.mesh.nodes, config.mesh.local, placement)
   if config.batch_size % mesh.size:
     raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
                      f"{mesh.size} devices of the mesh")
@@ -348,6 +362,9 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   example = data.example(schedules.image_size(config.data.resize_schedule, 0.0))
   setup, state = from_config(config, mesh, data.num_classes, example,
                              steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+  if placement:  # the pipelined exchange carries the computed gradient in the state
+    state = pipeline_lib.with_pending(setup, state, shard_batch(mesh, *data.train_batch(
+        0, schedules.image_size(config.data.resize_schedule, 0.0))))
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   with _Preemption() as preemption, contextlib.ExitStack() as cleanup:
     cleanup.callback(ckpt.close)  # waits for the last checkpoint and its manifest
@@ -358,7 +375,8 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
     summary_path = os.path.join(workdir, "summary.json")
     tally = _Tally.resume(summary_path, start, ckpt.meta(start))
     auto = _auto(config, setup, state, steps_per_epoch, tally)
-    job = _Job(config, setup, data, _per_level(setup, auto.level if auto else setup.density_level),
+    job = _Job(config, setup, data, _train_step(config, setup, state, auto, steps_per_epoch,
+                                                total_steps, compute_mesh),
                step_lib.jit_eval_step(setup, state), step_lib.jit_sync_batch_stats(mesh), ckpt,
                writer, tally, steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch),
                auto)

@@ -98,9 +98,10 @@ def compressor(compression: Any, density_schedule: Callable | None = None,
                         segments=None if layout is None else layout.segment_ids, **corrected)
 
 
-def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout
-                    ) -> optax.GradientTransformation:
-  """The fused optimizer of the config's `optimizer` group, on the flat face of `layout`."""
+def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
+                    steps_per_epoch: int | None = None) -> optax.GradientTransformation:
+  """The fused optimizer of the config's `optimizer` group, on the flat face of `layout`
+  (`steps_per_epoch`: for adamw's `freeze_variance_epochs`)."""
   if opt.name == "sgd":
     return optim.fused_sgd(learning_rate, momentum=opt.momentum or None, nesterov=opt.nesterov,
                            weight_decay=opt.weight_decay, weight_decay_mask=decay_mask,
@@ -114,8 +115,14 @@ def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: Fla
     return optim.fused_lamb(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                             weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
   if opt.name == "adamw":
+    freeze = None
+    if opt.get("freeze_variance_epochs", 0.0) > 0:
+      if steps_per_epoch is None:
+        raise ValueError("optimizer.freeze_variance_epochs needs steps_per_epoch")
+      freeze = max(1, round(opt.freeze_variance_epochs * steps_per_epoch))
     return optim.fused_adamw(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
+                             weight_decay=opt.weight_decay, mask=decay_mask,
+                             freeze_variance_after=freeze, layout=layout)
   raise ValueError(f"unknown optimizer {opt.name!r}; allowed: sgd, lars, lamb, adamw")
 
 
@@ -152,7 +159,8 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
     return _adam_corrected(config, layout, learning_rate, density)
   if correction is None:
     return train_chain(compressor(config.compression, density, layout=layout),
-                       fused_optimizer(config.optimizer, learning_rate, layout))
+                       fused_optimizer(config.optimizer, learning_rate, layout,
+                                       steps_per_epoch))
   # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
   # with neither behind it.
   return train_chain(

@@ -41,12 +41,15 @@ class TrainState(NamedTuple):
     compressor's `ExchangeState` per worker (leading axis = number of workers), the rest
     replicated.
   batch_stats: BatchNorm running statistics per worker, leading axis = number of workers.
+  pending: under a pipelined exchange (`sparsejax.train.pipelined`), the gradient computed and
+    not yet applied, a `Pending` (per worker); None otherwise.
   """
 
   step: jax.Array
   params: jax.Array
   opt_state: Any
   batch_stats: Any
+  pending: Any = None
 
   @property
   def comm_state(self) -> ExchangeState:
@@ -111,7 +114,8 @@ def _opt_specs(opt_state: Any) -> Any:
 def state_specs(state: TrainState) -> TrainState:
   """The PartitionSpecs of every field of `state`."""
   return TrainState(P(), P(), _opt_specs(state.opt_state),
-                    jax.tree.map(lambda _: P(WORKERS), state.batch_stats))
+                    jax.tree.map(lambda _: P(WORKERS), state.batch_stats),
+                    jax.tree.map(lambda _: P(WORKERS), state.pending))
 
 
 def place(state: TrainState, mesh: Mesh) -> TrainState:

@@ -26,8 +26,8 @@ from sparsejax.data import images as image_ops
 from sparsejax.train.mesh import WORKERS
 from sparsejax.train.state import TrainSetup, TrainState, map_per_worker, state_specs
 
-__all__ = ["train_step", "eval_step", "jit_train_step", "jit_eval_step", "jit_compute_step",
-           "jit_sync_batch_stats"]
+__all__ = ["gradient", "apply_gradient", "train_step", "eval_step", "jit_train_step",
+           "jit_eval_step", "jit_compute_step", "jit_sync_batch_stats"]
 
 
 def _first(tree: Any) -> Any:
@@ -86,49 +86,74 @@ def _loss(setup: TrainSetup, params, batch_stats, inputs, labels, rng):
   return loss, (logits, mutated.get("batch_stats", {}))
 
 
-def _train_metrics(setup: TrainSetup, state: TrainState, loss, logits, labels, opt_state
-                   ) -> dict[str, jax.Array]:
-  """The step's metrics, the same on every worker."""
-  skipped = ~opt_state.last_finite
+def _local_metrics(setup: TrainSetup, loss, logits, labels) -> dict[str, jax.Array]:
+  """This worker's loss and accuracies on its slice (not averaged over the workers)."""
   mask = _mask(labels)
   total = jnp.maximum(jnp.sum(mask), 1.0)
   correct = _correct(logits, labels, mask, setup.num_classes)
-  metrics = {"loss": loss, **{k: v / total for k, v in correct.items()}}
-  metrics = jax.lax.pmean(metrics, WORKERS)
+  return {"loss": loss, **{k: v / total for k, v in correct.items()}}
+
+
+def _exchange_metrics(setup: TrainSetup, step, opt_state) -> dict[str, jax.Array]:
+  """The exchange's metrics (the same on every worker); `step`: the optimizer step it made."""
+  skipped = ~opt_state.last_finite
   comm_state, norm_state = opt_state.inner_state[0], opt_state.inner_state[1]
   # a skipped step sent nothing and its aggregated gradient is zero
-  metrics.update(grad_norm=jnp.where(skipped, 0.0, norm_state.norm),
-                 density=comm_state.density,
-                 bytes_sent=jnp.where(skipped, 0.0, comm_state.bytes_sent),
-                 skipped=skipped.astype(jnp.float32))
+  metrics = {"grad_norm": jnp.where(skipped, 0.0, norm_state.norm),
+             "density": comm_state.density,
+             "bytes_sent": jnp.where(skipped, 0.0, comm_state.bytes_sent),
+             "skipped": skipped.astype(jnp.float32)}
   if setup.learning_rate is not None:
-    metrics["learning_rate"] = jnp.asarray(setup.learning_rate(state.step), jnp.float32)
+    metrics["learning_rate"] = jnp.asarray(setup.learning_rate(step), jnp.float32)
   return metrics
+
+
+def gradient(setup: TrainSetup, step, params, batch_stats, inputs, labels
+             ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+  """One worker's forward and backward pass (inside `shard_map`): (flat float32 gradient
+  [padded_size], new BatchNorm statistics, this worker's metrics). `step` seeds dropout (folded
+  with the worker's index); `batch_stats` without the leading worker axis."""
+  rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(setup.seed), step),
+                           jax.lax.axis_index(WORKERS))
+  (loss, (logits, new_stats)), grads = jax.value_and_grad(
+      functools.partial(_loss, setup), has_aux=True)(
+      setup.layout.unravel(params), batch_stats, inputs, labels, rng)
+  return (setup.layout.ravel(grads, jnp.float32), new_stats,
+          _local_metrics(setup, loss, logits, labels))
+
+
+def apply_gradient(setup: TrainSetup, state: TrainState, flat_grads, new_stats,
+                   density_level: int | None = None, advance: bool = True
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One worker's exchange and update (inside `shard_map`): `flat_grads` through `setup.tx`
+  into the params; the BatchNorm statistics become `new_stats` unless the step is skipped.
+  `advance`: count the step in `state.step`. Returns (state, the exchange's metrics)."""
+  level = {} if density_level is None else {"density_level": density_level}
+  opt_state = map_per_worker(lambda x: x[0], state.opt_state)
+  batch_stats = _first(state.batch_stats)
+  updates, opt_state = setup.tx.update(flat_grads, opt_state, state.params, **level)
+  skipped = ~opt_state.last_finite
+  new_stats = jax.tree.map(lambda o, n: jnp.where(skipped, o, n), batch_stats, new_stats)
+  new_state = state._replace(step=state.step + 1 if advance else state.step,
+                             params=state.params + updates,
+                             opt_state=map_per_worker(lambda x: x[None], opt_state),
+                             batch_stats=_stack(new_stats))
+  return new_state, _exchange_metrics(setup, state.step, opt_state)
 
 
 def train_step(setup: TrainSetup, state: TrainState, inputs, labels,
                density_level: int | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One worker's step (inside `shard_map`; the per-worker parts of `state` with their leading
-  axis of 1). A non-finite gradient on any worker leaves the whole state as it was, on every
-  worker (`apply_if_finite_across` in the chain; the BatchNorm statistics follow it).
+  axis of 1): `gradient`, then `apply_gradient`. A non-finite gradient on any worker leaves the
+  whole state as it was, on every worker (`apply_if_finite_across` in the chain; the BatchNorm
+  statistics follow it).
 
   Inputs may be one array or a tuple of arrays (the encoder-decoder's source and target);
   labels are int32 class ids [batch] or token ids [batch, length] (0 = padding, not counted)."""
-  level = {} if density_level is None else {"density_level": density_level}
-  opt_state = map_per_worker(lambda x: x[0], state.opt_state)
-  batch_stats = _first(state.batch_stats)
-  rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(setup.seed), state.step),
-                           jax.lax.axis_index(WORKERS))
-  (loss, (logits, new_stats)), grads = jax.value_and_grad(
-      functools.partial(_loss, setup), has_aux=True)(
-      setup.layout.unravel(state.params), batch_stats, inputs, labels, rng)
-  flat_grads = setup.layout.ravel(grads, jnp.float32)
-  updates, opt_state = setup.tx.update(flat_grads, opt_state, state.params, **level)
-  skipped = ~opt_state.last_finite
-  new_stats = jax.tree.map(lambda o, n: jnp.where(skipped, o, n), batch_stats, new_stats)
-  new_state = TrainState(state.step + 1, state.params + updates,
-                         map_per_worker(lambda x: x[None], opt_state), _stack(new_stats))
-  return new_state, _train_metrics(setup, state, loss, logits, labels, opt_state)
+  flat_grads, new_stats, local = gradient(setup, state.step, state.params,
+                                          _first(state.batch_stats), inputs, labels)
+  new_state, metrics = apply_gradient(setup, state, flat_grads, new_stats, density_level)
+  return new_state, {**jax.lax.pmean(local, WORKERS), **metrics}
 
 
 def eval_step(setup: TrainSetup, state: TrainState, inputs, labels, weights
@@ -169,10 +194,9 @@ def jit_compute_step(setup: TrainSetup, state_like: TrainState) -> Callable:
   alone (each worker's gradient norm; no exchange, no update, the state not donated): what
   `sparsejax.train.auto` times as the step's compute."""
   def body(state, inputs, labels):
-    rng = jax.random.fold_in(jax.random.key(setup.seed), state.step)
-    _, grads = jax.value_and_grad(functools.partial(_loss, setup), has_aux=True)(
-        setup.layout.unravel(state.params), _first(state.batch_stats), inputs, labels, rng)
-    return setup.layout.ravel(grads, jnp.float32).sum()[None]
+    flat_grads, _, _ = gradient(setup, state.step, state.params, _first(state.batch_stats),
+                                inputs, labels)
+    return flat_grads.sum()[None]
 
   fn = jax.shard_map(body, mesh=setup.mesh,
                      in_specs=(state_specs(state_like), P(WORKERS), P(WORKERS)),
