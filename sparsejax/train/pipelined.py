@@ -71,14 +71,19 @@ def split_devices(devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list
   return flat[0::2], flat[1::2]
 
 
+def _pending(setup: TrainSetup, params, batch_stats, step, inputs, labels) -> Pending:
+  """One worker's gradient as a `Pending` (inside `shard_map`; `batch_stats` per worker)."""
+  grads, stats, metrics = step_lib.gradient(setup, step, params, step_lib._first(batch_stats),
+                                            inputs, labels)
+  return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics))
+
+
 def with_pending(setup: TrainSetup, state: TrainState, example: Sequence[jax.Array]
                  ) -> TrainState:
   """`state` with a zero `Pending` of the right shapes (placed per worker on `setup.mesh`) for
   the batch `example` (inputs, labels)."""
   def body(state, inputs, labels):
-    grads, stats, metrics = step_lib.gradient(setup, state.step, state.params,
-                                              step_lib._first(state.batch_stats), inputs, labels)
-    return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics))
+    return _pending(setup, state.params, state.batch_stats, state.step, inputs, labels)
 
   specs = state_specs(state)
   shapes = jax.eval_shape(jax.shard_map(
@@ -136,9 +141,7 @@ class Pipeline:
   # ------------------------------------------------------------------ the two halves
 
   def _compute_body(self, params, batch_stats, step, inputs, labels) -> Pending:
-    grads, stats, metrics = step_lib.gradient(self.setup, step, params,
-                                              step_lib._first(batch_stats), inputs, labels)
-    return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics))
+    return _pending(self.setup, params, batch_stats, step, inputs, labels)
 
   def _apply_body(self, state: TrainState, level: Any, advance: bool):
     pending = state.pending
