@@ -44,7 +44,8 @@ class JaxRun:
       self.pipe = pipelined.Pipeline(
           self.setup, self.state, self.setup.density_level, self.total, placement,
           compute_mesh, start=round(config.compression.pipeline_from_epochs
-                                    * self.data.steps_per_epoch))
+                                    * self.data.steps_per_epoch),
+          predict=config.compression.pipeline_predict)
       self.pipe.compile(self.state, first, self.levels)
       self.auto, self.auto_measures, self.step_fns = None, False, {}
       self.eval_fn = jit_eval_step(self.setup, self.state)

@@ -108,6 +108,16 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # the one-step pipelined exchange (sparsejax.train.pipelined) on two devices per worker:
     # each gradient computed while the previous one is exchanged and applied
     "dense-pipe": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device"}),
+    # ... with weight prediction: each gradient taken at the parameters extrapolated by the
+    # last update (compression.pipeline_predict)
+    "dense-pipe-p": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
+                             "compression.pipeline_predict": True}),
+    "hitopk-0.05-w0.5-pipe-p": ("jax", {"compression.algorithm": "hitopk",
+                                        "compression.density": 0.05,
+                                        "compression.warmup_epochs": 0.5,
+                                        "compression.warmup_density": 0.2,
+                                        "compression.pipeline": "device",
+                                        "compression.pipeline_predict": True}),
     "dense-pipe-f0.25": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
                                  "compression.pipeline_from_epochs": 0.25}),
     "hitopk-0.05-w0.5-pipe": ("jax", {"compression.algorithm": "hitopk",

@@ -148,6 +148,9 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       # the first pipelined step, in epochs (the steps before it unpipelined: a late gradient
       # costs most in the early, fast-moving steps)
       "pipeline_from_epochs": 0.0,
+      # weight prediction: each pipelined gradient taken at the parameters extrapolated by the
+      # last update (about where it will be applied; SpecTrain, PipeMare)
+      "pipeline_predict": False,
   })
 
 
@@ -293,6 +296,10 @@ def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
   need(c.compression.pipeline in ("", "program", "device"), "compression.pipeline",
        "'' (off), 'program' or 'device'")
   need(c.compression.pipeline_from_epochs >= 0, "compression.pipeline_from_epochs", ">= 0")
+  need(c.compression.pipeline_predict in (False, True), "compression.pipeline_predict",
+       "False or True")
+  need(not c.compression.pipeline_predict or c.compression.pipeline,
+       "compression.pipeline_predict", "False unless compression.pipeline is set")
   if c.compression.pipeline:
     need(c.compression.algorithm != "auto", "compression.pipeline",
          "'' with compression.algorithm 'auto' (not pipelined yet)")
