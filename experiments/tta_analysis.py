@@ -206,8 +206,7 @@ def pipeline_overlap(results: dict) -> dict[str, dict[str, dict[str, list[float]
   for r in rows:
     if r["density"] != final[r["system"]]:
       continue
-    twin = serial.get((r["system"].removesuffix("-pipe"), r["seed"], r["bandwidth"],
-                       r["density"]))
+    twin = serial.get((unpipelined(r["system"]), r["seed"], r["bandwidth"], r["density"]))
     cell = out.setdefault(r["system"], {}).setdefault(r["bandwidth"], {})
     values = {k: r[k] for k in ("compute_s", "exchange_s", "step_s", "compute_end_s",
                                 "exchange_end_s")}
@@ -217,6 +216,16 @@ def pipeline_overlap(results: dict) -> dict[str, dict[str, dict[str, list[float]
     for k, v in values.items():
       cell.setdefault(k, []).append(v)
   return out
+
+
+def unpipelined(system: str) -> str:
+  """The name of a pipelined system's twin without the pipeline: "-pipe" (and "-pipe-p", its
+  weight-predicting form) dropped, its `+key=value` overrides kept ("dense-pipe-p+x=1" ->
+  "dense+x=1")."""
+  name, sep, extra = system.partition("+")
+  for suffix in ("-pipe-p", "-pipe"):
+    name = name.removesuffix(suffix)
+  return name + sep + extra
 
 
 def _pipeline_lines(results: dict) -> list[str]:

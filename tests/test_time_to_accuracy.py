@@ -222,3 +222,9 @@ def test_hidden_fraction_is_what_the_step_saves_over_the_halves():
   cell = got["s-pipe"]["b"]  # the final density only
   assert cell["hidden"] == [pytest.approx((0.10 + 0.25 - 0.30) / 0.25)]
   assert cell["serial_s"] == [0.36]
+
+
+def test_a_pipelined_system_is_paired_with_its_unpipelined_twin():
+  assert tta_analysis.unpipelined("dense-pipe") == "dense"
+  assert tta_analysis.unpipelined("hitopk-0.05-w0.5-pipe-p") == "hitopk-0.05-w0.5"
+  assert tta_analysis.unpipelined("dense-pipe-p+optimizer.b1=0.8") == "dense+optimizer.b1=0.8"

@@ -161,14 +161,18 @@ def large_probe_size(shard: int, target: float) -> int:
   return large
 
 
-def _probe_link(mesh: Any, shard: int) -> Link:
+def _probe_link(mesh: Any, shard: int, prior: Link | None = None) -> tuple[Link, Link]:
   """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
-  is fast enough that 64 KiB would not tell it from the fixed cost, at about the size a first fit
-  says takes `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size);
-  fits the link. Each size's first use is untimed (compilation)."""
+  is fast enough that 64 KiB would not tell it from the fixed cost, at about the size that takes
+  `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size) by `prior`,
+  the last measurement, else by a first fit of the two small probes; fits the link. Each size's
+  first use is untimed (compilation). (The small probes alone overrate a shaped link: they fit
+  in its token bucket's burst, and a large probe sized by them ran at the whole shard, about
+  0.2 s a measurement at 500 Mbit/s.) Returns (the link, the guide for the next measurement:
+  this fit where it had a large probe, else `prior`)."""
   nodes, local = mesh.shape["node"], mesh.shape["local"]
   if nodes == 1:
-    return Link(0.0, math.inf)
+    return Link(0.0, math.inf), Link(0.0, math.inf)
   fn = _node_psum(mesh)
   sharding = jax.sharding.NamedSharding(mesh, P(WORKERS))
 
@@ -184,12 +188,15 @@ def _probe_link(mesh: Any, shard: int) -> Link:
 
   sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
   times = [seconds(size) for size in sizes]
-  first = fit_link([link_bytes(s) for s in sizes], times)
-  large = large_probe_size(shard, PROBE_LARGE_S * first.bytes_per_s / link_bytes(1))
-  if large > 2 * sizes[-1]:
-    sizes.append(large)
-    times.append(seconds(large))
-  return fit_link([link_bytes(s) for s in sizes], times)
+  guide = prior if prior is not None else fit_link([link_bytes(s) for s in sizes], times)
+  large = large_probe_size(shard, PROBE_LARGE_S * guide.bytes_per_s / link_bytes(1))
+  if large <= 2 * sizes[-1]:
+    link = fit_link([link_bytes(s) for s in sizes], times)
+    return link, prior or link
+  sizes.append(large)
+  times.append(seconds(large))
+  link = fit_link([link_bytes(s) for s in sizes], times)
+  return link, link
 
 
 _PROBED: set[tuple[Any, int]] = set()  # (mesh, floats per worker) the link probe has compiled
@@ -257,6 +264,7 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._compute = step_lib.jit_compute_step(setup, state_like)
     self._first: Measurement | None = None  # this process's first measurement
+    self._link: Link | None = None  # the last link measured (sizes the next large probe)
     self.lead = jax.process_index() == 0
 
   @property
@@ -288,7 +296,8 @@ class AutoExchange:
     """The link, compute and local-work probes (each the slowest process's); after this
     process's first measurement the link alone (compute and selection do not change with it,
     and the compute pass is the dearest probe: a step's forward and backward, four times)."""
-    link = _probe_link(self.setup.mesh, self.shard)
+    # (the guide is the same on every process: fitted from the slowest times)
+    link, self._link = _probe_link(self.setup.mesh, self.shard, self._link)
     if self._first is None:
       compute, select = _slowest([
           _timed(self._compute, state, *batch),
