@@ -117,7 +117,7 @@ def main(argv=None) -> int:
   argv_list = list(sys.argv[1:] if argv is None else argv)
   if args.window < 1:
     ap.error(f"--window must be >= 1, got {args.window}")
-  from experiments.time_to_accuracy import load_task
+  from experiments.tta_systems import load_task
   config = load_task(os.path.abspath(args.config), args.sets)
   if config.mesh.local != 1:
     ap.error(f"coverage reads one worker's whole residual: mesh.local must be 1, got "

@@ -19,6 +19,7 @@ class JaxRun:
 
     from sparsejax import data as data_lib
     from sparsejax.train import pipelined
+    from sparsejax.train.auto import measuring
     from sparsejax.train.mesh import make_mesh
     from sparsejax.train.state import from_config
     from sparsejax.train.step import jit_eval_step, jit_train_step
@@ -43,12 +44,14 @@ class JaxRun:
       self.pipe = pipelined.Pipeline(
           self.setup, self.state, self.setup.density_level, self.total, placement,
           compute_mesh, start=round(config.compression.pipeline_from_epochs
-                                    * self.data.steps_per_epoch))
+                                    * self.data.steps_per_epoch),
+          predict=config.compression.pipeline_predict)
       self.pipe.compile(self.state, first, self.levels)
-      self.auto, self.step_fns = None, {}
+      self.auto, self.auto_measures, self.step_fns = None, False, {}
       self.eval_fn = jit_eval_step(self.setup, self.state)
       return
     self.auto = self._auto(config, first)
+    self.auto_measures = self.auto is not None and measuring(config.compression)
     extra = [self.auto.dense_level] if self.auto else []
     self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
         self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
@@ -81,7 +84,7 @@ class JaxRun:
       from sparsejax.train.metrics import NullWriter
       self.auto.before_step(step, self.state, batch, NullWriter())
       level = self.auto.level(step)
-    elif self.auto is not None and self.config.compression.auto_schedule:  # forms fixed
+    elif self.auto is not None and not self.auto_measures:  # forms fixed by step
       level = self.auto.level(min(step if level_step is None else level_step, self.total - 1))
     else:
       level = self.levels[min(step if level_step is None else level_step, self.total - 1)]

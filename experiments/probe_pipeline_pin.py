@@ -30,7 +30,7 @@ jax.devices()  # XLA starts here
 if after:
   os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
 from experiments.jax_runner import JaxRun  # noqa: E402
-from experiments.time_to_accuracy import load_task  # noqa: E402
+from experiments.tta_systems import load_task  # noqa: E402
 
 config = load_task(os.path.join(ROOT, "configs", "tta_kjv_lm.py"), [
     "compression.algorithm=dense", "compression.pipeline=" + os.environ.get("PIPE", "device")])

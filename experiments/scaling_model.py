@@ -343,7 +343,7 @@ def tta_cluster(params: np.ndarray, rate_bps: float | None, overhead: float,
 def tta_model_size(tta: dict[str, Any]) -> int:
   """Parameters of the study's model: as the results record it, else built from their config
   and --set values (which opens the task's data)."""
-  from experiments.time_to_accuracy import load_task, model_size
+  from experiments.tta_systems import load_task, model_size
   meta = tta["meta"]
   if "parameters" in meta:
     return int(meta["parameters"])

@@ -78,6 +78,20 @@ def test_predict_is_the_alpha_beta_sum_of_each_form(nodes, local):
   assert got["sparse"] == pytest.approx(want_sparse, rel=1e-9)
 
 
+def test_the_large_link_probe_takes_few_sizes():
+  """The large probe's size: the shard over a power of 4, at most the target; over a thousand
+  noisy targets only a handful of sizes (each compiles once)."""
+  shard = 922_117
+  assert auto.large_probe_size(shard, math.inf) == shard
+  assert auto.large_probe_size(shard, 2e6) == shard
+  assert auto.large_probe_size(shard, 300_000) == shard // 4
+  assert auto.large_probe_size(shard, 57_000) == shard // 64
+  targets = np.random.default_rng(3).uniform(1e4, 3e6, size=1000)
+  sizes = {auto.large_probe_size(shard, t) for t in targets}
+  assert sizes == {shard, shard // 4, shard // 16, shard // 64, shard // 256}
+  assert all(auto.large_probe_size(shard, t) <= max(t, 1) for t in targets if t < shard)
+
+
 def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
   step_s = {"dense": 1.0, "sparse": 0.8}
   assert auto.choose(step_s, 1.1, None, 0.05) == "sparse"  # 0.88 < 1
@@ -95,7 +109,8 @@ def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
     ({"compression.auto_step_factor": 0.0}, "compression.auto_step_factor"),
     ({"compression.auto_margin": 1.0}, "compression.auto_margin"),
     ({"compression.auto_schedule": ((3, "dense"),)}, "compression.auto_schedule"),
-    ({"compression.auto_schedule": ((0, "dense"), (5, "fast"))}, "compression.auto_schedule"),
+    ({"compression.auto_schedule": ((0, "dense"), (5, "fast"))},
+     "compression.auto_schedule.*dense, sparse, measured"),
 ])
 def test_bad_auto_keys_are_named(changes, match):
   with pytest.raises(ValueError, match=match):
@@ -143,6 +158,34 @@ def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_
   assert read_csv(os.path.join(resumed, "eval.csv")) == read_csv(
       os.path.join(workdir, "eval.csv"))
   assert again["exchange_choices"] == summary["exchange_choices"]
+
+
+def test_measuring_is_read_from_the_algorithm_and_the_schedule():
+  c = auto_config().compression
+  assert auto.measuring(c)
+  c.auto_schedule = SCHEDULE
+  assert not auto.measuring(c)
+  c.auto_schedule = ((0, "dense"), (7, "measured"))
+  assert auto.measuring(c) and auto.scheduled(c.auto_schedule, 9) == "measured"
+  c.algorithm = "hitopk"
+  assert not auto.measuring(c)
+
+
+def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tmp_path):
+  """((0, "dense"), (7, "measured")): dense to step 7 whatever the link (1-bit Adam's start),
+  the first measurement at 7, then every `auto_every_steps`."""
+  summary = train_and_evaluate(auto_config(**{
+      "compression.auto_schedule": ((0, "dense"), (7, "measured")),
+      "compression.auto_every_steps": 10}), str(tmp_path), progress=False)
+  choices = summary["exchange_choices"]
+  assert [(c["step"], c["why"]) for c in choices] == [
+      (0, "auto_schedule"), (7, "measured"), (10, "measured"), (20, "measured")]
+  assert choices[0]["form"] == "dense"
+  rows = read_csv(os.path.join(str(tmp_path), "train.csv"))
+  for r in rows:
+    step = int(r["step"]) - 1
+    form = [c["form"] for c in choices if c["step"] <= step][-1]
+    assert (float(r["density"]) == 1.0) == (form == "dense"), r
 
 
 def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):

@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 from experiments import time_to_accuracy as tta
+from experiments import tta_systems
 
-SETS = [f"--set={s}" for s in tta.QUICK_SETS]
+SETS = [f"--set={s}" for s in tta_systems.QUICK_SETS]
 
 
 def _run(tmp_path, name, *extra):

@@ -38,7 +38,7 @@ def _batches(n, size=60):
   return [(train.images[p], train.labels[p]) for p in picks]
 
 
-def _pipelined(placement, make_tx, steps, level_of=lambda step: None, start=0):
+def _pipelined(placement, make_tx, steps, level_of=lambda step: None, start=0, predict=False):
   """Runs `steps` pipelined steps of a small MLP on digits; returns (setup, state, metrics)."""
   mesh, compute_mesh = _meshes(placement)
   model = models.build("mlp", num_classes=10, hidden=(37,))
@@ -46,7 +46,8 @@ def _pipelined(placement, make_tx, steps, level_of=lambda step: None, start=0):
   batches = _batches(steps)
   state = pipeline_lib.with_pending(setup, state, shard_batch(mesh, *batches[0]))
   params0 = np.asarray(state.params)
-  run = pipeline_lib.Pipeline(setup, state, level_of, steps, placement, compute_mesh, start)
+  run = pipeline_lib.Pipeline(setup, state, level_of, steps, placement, compute_mesh, start,
+                              predict)
   counts = []
   for step, (images, labels) in enumerate(batches):
     state, metrics = run(step, state, *shard_batch(mesh, images, labels))
@@ -54,11 +55,14 @@ def _pipelined(placement, make_tx, steps, level_of=lambda step: None, start=0):
   return setup, params0, state, counts, model, batches
 
 
-@pytest.mark.parametrize("placement,start", [("program", 0), ("device", 0), ("device", 2)])
-def test_each_gradient_is_applied_one_step_late(placement, start):
+@pytest.mark.parametrize("placement,start,predict", [
+    ("program", 0, False), ("device", 0, False), ("device", 2, False), ("program", 0, True),
+    ("device", 2, True)])
+def test_each_gradient_is_applied_one_step_late(placement, start, predict):
   """Dense SGD, pipelined from step `start` (unpipelined before): the gradient of step t is
-  taken at the parameters before the update of step t-1's gradient; checked against optax.sgd
-  on the whole batch (the workers' mean)."""
+  taken at the parameters before the update of step t-1's gradient (with `predict`, at those
+  parameters plus the last pipelined update); checked against optax.sgd on the whole batch
+  (the workers' mean)."""
   lr, steps = 0.3, 6
 
   def make_tx(layout):
@@ -67,7 +71,7 @@ def test_each_gradient_is_applied_one_step_late(placement, start):
                                        weight_decay_mask=decay_mask, layout=layout))
 
   setup, params0, state, counts, model, batches = _pipelined(placement, make_tx, steps,
-                                                             start=start)
+                                                             start=start, predict=predict)
   assert counts == [1] * start + [0] + [1] * (steps - start - 2) + [2]  # each applied once
   assert int(state.step) == steps
 
@@ -78,16 +82,18 @@ def test_each_gradient_is_applied_one_step_late(placement, start):
   grad = jax.jit(jax.grad(loss))
   tx = optax.sgd(lr)
   want = jnp.asarray(params0)
-  opt_state, late = tx.init(want), None
+  opt_state, late, last = tx.init(want), None, jnp.zeros_like(want)
   for t, (images, labels) in enumerate(batches):
     g = grad(want, images, labels)  # at the parameters before the late update
     if t < start:  # unpipelined
       update, opt_state = tx.update(g, opt_state)
       want = optax.apply_updates(want, update)
       continue
+    if predict:  # extrapolated by the last pipelined update
+      g = grad(want + last, images, labels)
     if late is not None:
-      update, opt_state = tx.update(late, opt_state)
-      want = optax.apply_updates(want, update)
+      last, opt_state = tx.update(late, opt_state)
+      want = optax.apply_updates(want, last)
     late = g
   update, opt_state = tx.update(late, opt_state)
   want = optax.apply_updates(want, update)
@@ -157,6 +163,9 @@ def test_bad_pipeline_settings_are_named():
     config_lib.validate(config)
   with pytest.raises(ValueError, match="even number of devices per process"):
     pipeline_lib.split_devices(jax.devices()[:3])
+  config = small_config(**{"compression.pipeline_predict": True})
+  with pytest.raises(ValueError, match="pipeline_predict.*unless compression.pipeline"):
+    config_lib.validate(config)
 
 
 def test_a_frozen_variance_is_refused_where_it_would_not_run():

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from experiments import time_to_accuracy as tta
+from experiments import tta_analysis, tta_systems
+from experiments.torch_peer import torch_mlp
 from sparsejax import cluster, models
 from sparsejax.compress import density_levels
 from tests.conftest import need_root
@@ -50,7 +52,7 @@ def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
     times = [p["train_time_s"] for p in run["curve"]]
     assert all(0 < a < b for a, b in zip(times, times[1:]))
     if "levels_to_target" in run:
-      hit = tta.steps_to_target(run["curve"], got["meta"]["target"])
+      hit = tta_analysis.steps_to_target(run["curve"], got["meta"]["target"])
       assert sum(n for _, n in run["levels_to_target"]) == hit["step"]
   # every system x bandwidth x density level it visits was timed, with bytes on the link
   sweep = {(r["system"], r["bandwidth"], r["density"]) for r in got["sweep"]}
@@ -76,7 +78,7 @@ def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
   if not HAVE_TORCH:
     if os.environ.get("CI"):
       pytest.fail("CI installs PyTorch (.ci/run): the peer must run there")
-    pytest.skip(f"needs PyTorch: {tta.PEERS_INSTALL}")
+    pytest.skip(f"needs PyTorch: {tta_systems.PEERS_INSTALL}")
   got, _ = quick
   assert {(r["system"], r["bandwidth"]) for r in got["sweep"] if r["system"] == "torch-ddp"} == {
       ("torch-ddp", "unlimited"), ("torch-ddp", "200mbit")}
@@ -85,21 +87,21 @@ def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
 
 
 def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
-  config = tta.load_task(CONFIG, ["compression.warmup_epochs=0.1"], "hitopk-0.001")
-  dens = tta.density_per_step(config, 200, 60)
+  config = tta_systems.load_task(CONFIG, ["compression.warmup_epochs=0.1"], "hitopk-0.001")
+  dens = tta_systems.density_per_step(config, 200, 60)
   levels = density_levels(0.001)
   assert set(dens) <= set(levels)
   assert dens[0] == min(d for d in levels if d >= 0.25 * (1 - 1e-6))  # rounded up, not down
   assert np.all(np.diff(dens) <= 0) and dens[20] == 0.001 and dens[-1] == 0.001
-  dense = tta.load_task(CONFIG, [], "dense")
-  assert np.all(tta.density_per_step(dense, 200, 7) == 1.0)
-  assert tta.level_steps(config, 200, 60)[0] == [float(dens[0]), 0]
+  dense = tta_systems.load_task(CONFIG, [], "dense")
+  assert np.all(tta_systems.density_per_step(dense, 200, 7) == 1.0)
+  assert tta_systems.level_steps(config, 200, 60)[0] == [float(dens[0]), 0]
   # algorithm auto with its forms fixed by step: the dense form's steps at 1.0, the sparse
   # form's on its warm-up (here none: its final density)
-  fixed = tta.load_task(CONFIG, ["compression.warmup_epochs=0.0"], "hitopk-0.05-s60")
-  dens = tta.density_per_step(fixed, 200, 90)
+  fixed = tta_systems.load_task(CONFIG, ["compression.warmup_epochs=0.0"], "hitopk-0.05-s60")
+  dens = tta_systems.density_per_step(fixed, 200, 90)
   assert np.all(dens[:60] == 1.0) and np.all(dens[60:] == 0.05)
-  assert tta.level_steps(fixed, 200, 90) == [[1.0, 0], [0.05, 60]]
+  assert tta_systems.level_steps(fixed, 200, 90) == [[1.0, 0], [0.05, 60]]
 
 
 def test_analysis_sums_steps_per_level_times_median_step_time():
@@ -114,20 +116,21 @@ def test_analysis_sums_steps_per_level_times_median_step_time():
       "sweep": [{"system": "hitopk-0.01", "bandwidth": "1gbit", "density": d, "step_s": t}
                 for d, t in ((0.04, 0.3), (0.04, 0.1), (0.04, 0.2), (0.01, 0.05), (0.01, 0.07),
                              (0.01, 0.06))]}
-  a = tta.analyse(results, target=0.8)["hitopk-0.01"]
+  a = tta_analysis.analyse(results, target=0.8)["hitopk-0.01"]
   assert a["seeds"][0]["steps_to_target"] == 20
   assert a["seeds"][0]["train_time_to_target_s"] == 2.2
   assert a["predicted_time_to_target_s"]["1gbit"] == [pytest.approx(5 * 0.2 + 15 * 0.06)]
   assert a["measured_over_predicted_at_headline"] == [pytest.approx(2.2 / 1.9)]
-  assert tta.analyse(results, target=0.95)["hitopk-0.01"]["seeds"][0]["steps_to_target"] is None
+  missed = tta_analysis.analyse(results, target=0.95)["hitopk-0.01"]
+  assert missed["seeds"][0]["steps_to_target"] is None
 
 
 def test_the_pytorch_peer_is_the_flax_mlp():
-  torch = pytest.importorskip("torch", reason=f"needs PyTorch: {tta.PEERS_INSTALL}")
+  torch = pytest.importorskip("torch", reason=f"needs PyTorch: {tta_systems.PEERS_INSTALL}")
   model = models.build("mlp", num_classes=10, hidden=(24, 17))
   x = np.random.default_rng(0).standard_normal((6, 28, 28, 1)).astype(np.float32)
   params = model.init(jax.random.key(0), x)["params"]
-  peer = tta.torch_mlp(784, (24, 17), 10)
+  peer = torch_mlp(784, (24, 17), 10)
   linears = [m for m in peer if isinstance(m, torch.nn.Linear)]
   assert sum(p.numel() for p in peer.parameters()) == sum(
       v.size for v in jax.tree.leaves(params))
@@ -139,7 +142,7 @@ def test_the_pytorch_peer_is_the_flax_mlp():
   np.testing.assert_allclose(got, np.asarray(model.apply({"params": params}, x)), rtol=1e-4,
                              atol=1e-5)
   # the same initialisation: zero biases, kernel std 1/sqrt(fan_in) in both
-  big = tta.torch_mlp(1000, (500,), 10)[0]
+  big = torch_mlp(1000, (500,), 10)[0]
   assert float(big.bias.detach().abs().max()) == 0.0
   assert abs(float(big.weight.detach().std()) * np.sqrt(1000) - 1.0) < 0.02
   flax_kernel = models.build("mlp", num_classes=10, hidden=(500,)).init(
@@ -150,10 +153,11 @@ def test_the_pytorch_peer_is_the_flax_mlp():
 def test_a_loss_target_is_reached_from_above():
   curve = [{"step": 25, "loss": 6.1, "accuracy": 0.1}, {"step": 50, "loss": 4.6, "accuracy": 0.2},
            {"step": 75, "loss": 4.4, "accuracy": 0.25}]
-  assert tta.steps_to_target(curve, 4.55, "loss")["step"] == 75
-  assert tta.steps_to_target(curve, 0.2, "accuracy")["step"] == 50
-  assert tta.steps_to_target(curve, 4.0, "loss") is None
-  assert tta.target_metric({"meta": {}}) == "accuracy"  # results written before it was stored
+  assert tta_analysis.steps_to_target(curve, 4.55, "loss")["step"] == 75
+  assert tta_analysis.steps_to_target(curve, 0.2, "accuracy")["step"] == 50
+  assert tta_analysis.steps_to_target(curve, 4.0, "loss") is None
+  # results written before the metric was stored
+  assert tta_analysis.target_metric({"meta": {}}) == "accuracy"
 
 
 def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
@@ -184,10 +188,10 @@ def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
 
 
 def test_link_change_is_checked():
-  assert tta.parse_link_change("100mbit@0.33") == (("100mbit", 10**8), 0.33)
+  assert tta_systems.parse_link_change("100mbit@0.33") == (("100mbit", 10**8), 0.33)
   for bad in ("100mbit", "100mbit@1.5", "100mbit@x", "fast@0.5"):
     with pytest.raises(ValueError):
-      tta.parse_link_change(bad)
+      tta_systems.parse_link_change(bad)
 
 
 def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overlap(tmp_path):
@@ -204,7 +208,7 @@ def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overl
   rows = [r for r in got["sweep"] if r["system"] == "hitopk-0.01-mc-pipe"]
   assert rows and all(r["compute_s"] > 0 and r["exchange_s"] > 0 and r["step_s"] > 0
                       and 0 < r["compute_end_s"] and 0 < r["exchange_end_s"] for r in rows)
-  overlap = tta.pipeline_overlap(got)["hitopk-0.01-mc-pipe"]
+  overlap = tta_analysis.pipeline_overlap(got)["hitopk-0.01-mc-pipe"]
   assert set(overlap) == {"unlimited", "200mbit"}
   assert "The pipelined exchange, one rank" in out.with_suffix(".md").read_text()
 
@@ -214,7 +218,13 @@ def test_hidden_fraction_is_what_the_step_saves_over_the_halves():
            "compute_s": 0.10, "exchange_s": 0.25, "compute_end_s": 0.11,
            "exchange_end_s": 0.29} for d in (0.25, 0.01)]
   rows.append({"system": "s", "seed": 0, "bandwidth": "b", "density": 0.01, "step_s": 0.36})
-  got = tta.pipeline_overlap({"sweep": rows})
+  got = tta_analysis.pipeline_overlap({"sweep": rows})
   cell = got["s-pipe"]["b"]  # the final density only
   assert cell["hidden"] == [pytest.approx((0.10 + 0.25 - 0.30) / 0.25)]
   assert cell["serial_s"] == [0.36]
+
+
+def test_a_pipelined_system_is_paired_with_its_unpipelined_twin():
+  assert tta_analysis.unpipelined("dense-pipe") == "dense"
+  assert tta_analysis.unpipelined("hitopk-0.05-w0.5-pipe-p") == "hitopk-0.05-w0.5"
+  assert tta_analysis.unpipelined("dense-pipe-p+optimizer.b1=0.8") == "dense+optimizer.b1=0.8"

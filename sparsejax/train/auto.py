@@ -23,7 +23,10 @@ Not modelled: the density warm-up's higher levels (their steps cost more than th
 density's) and any overlap of the exchange with compute (the step runs them in sequence).
 
 `auto_schedule` fixes the forms by step instead (no measurement): for reproducible runs, the
-tests, and the best fixed schedule a study compares auto with. Each choice, with the figures
+tests, and the best fixed schedule a study compares auto with. A schedule's "measured" entries
+hand the choice back to the measurements from their step on (the first measurement there):
+((0, "dense"), (57, "measured")) runs dense to step 57 whatever the link (1-bit Adam's dense
+start, `optimizer.freeze_variance_epochs`), then the measured form. Each choice, with the figures
 behind it, is printed, written to `auto.csv` and kept in the checkpoints' and summary.json's
 "exchange_choices".
 """
@@ -46,7 +49,8 @@ from sparsejax import comm, cost
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "scheduled", "AutoExchange",
+__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "scheduled", "measuring",
+           "AutoExchange",
            "FORMS"]
 
 FORMS = ("dense", "sparse")
@@ -115,12 +119,20 @@ def choose(step_s: dict[str, float], step_factor: float, current: str | None,
 
 
 def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
-  """The form `schedule` ((first_step, form), ...) gives `step`."""
+  """The form `schedule` ((first_step, form), ...) gives `step` ("measured": the measured one)."""
   form = schedule[0][1]
   for first, f in schedule:
     if first <= step:
       form = f
   return form
+
+
+def measuring(compression: Any) -> bool:
+  """Whether algorithm "auto" measures in this config (at all steps, or from a schedule's
+  "measured" entry on); False for fixed schedules and the other algorithms."""
+  return compression.algorithm == "auto" and (
+      not compression.auto_schedule
+      or any(form == "measured" for _, form in compression.auto_schedule))
 
 
 # ----------------------------------------------------------------------------- the probes
@@ -138,13 +150,29 @@ def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) 
   return statistics.median(times)
 
 
-def _probe_link(mesh: Any, shard: int, warm: bool = True) -> Link:
+def large_probe_size(shard: int, target: float) -> int:
+  """The large link probe's floats per worker: the shard divided by the smallest power of 4
+  that brings it to `target` floats or below (at least 1). A few sizes a run, each compiled
+  once: a size taken straight from a noisy first fit would compile a new all-reduce at nearly
+  every measurement (about half a second each, on the clock)."""
+  large = shard
+  while large > target and large >= 4:
+    large //= 4
+  return large
+
+
+def _probe_link(mesh: Any, shard: int, prior: Link | None = None) -> tuple[Link, Link]:
   """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
-  is fast enough that 64 KiB would not tell it from the fixed cost, at the size a first fit says
-  takes about `PROBE_LARGE_S` (at most the shard: the dense form's own size); fits the link."""
+  is fast enough that 64 KiB would not tell it from the fixed cost, at about the size that takes
+  `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size) by `prior`,
+  the last measurement, else by a first fit of the two small probes; fits the link. Each size's
+  first use is untimed (compilation). (The small probes alone overrate a shaped link: they fit
+  in its token bucket's burst, and a large probe sized by them ran at the whole shard, about
+  0.2 s a measurement at 500 Mbit/s.) Returns (the link, the guide for the next measurement:
+  this fit where it had a large probe, else `prior`)."""
   nodes, local = mesh.shape["node"], mesh.shape["local"]
   if nodes == 1:
-    return Link(0.0, math.inf)
+    return Link(0.0, math.inf), Link(0.0, math.inf)
   fn = _node_psum(mesh)
   sharding = jax.sharding.NamedSharding(mesh, P(WORKERS))
 
@@ -153,18 +181,25 @@ def _probe_link(mesh: Any, shard: int, warm: bool = True) -> Link:
 
   def seconds(size: int) -> float:
     here = np.ones(len(mesh.local_devices) * size, np.float32)
+    first_use = (mesh, size) not in _PROBED
+    _PROBED.add((mesh, size))
     return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here),
-                            warm=warm)])[0]
+                            warm=first_use)])[0]
 
   sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
   times = [seconds(size) for size in sizes]
-  first = fit_link([link_bytes(s) for s in sizes], times)
-  large = shard if math.isinf(first.bytes_per_s) else min(
-      shard, int(PROBE_LARGE_S * first.bytes_per_s / link_bytes(1)))
-  if large > 2 * sizes[-1]:
-    sizes.append(large)
-    times.append(seconds(large))
-  return fit_link([link_bytes(s) for s in sizes], times)
+  guide = prior if prior is not None else fit_link([link_bytes(s) for s in sizes], times)
+  large = large_probe_size(shard, PROBE_LARGE_S * guide.bytes_per_s / link_bytes(1))
+  if large <= 2 * sizes[-1]:
+    link = fit_link([link_bytes(s) for s in sizes], times)
+    return link, prior or link
+  sizes.append(large)
+  times.append(seconds(large))
+  link = fit_link([link_bytes(s) for s in sizes], times)
+  return link, link
+
+
+_PROBED: set[tuple[Any, int]] = set()  # (mesh, floats per worker) the link probe has compiled
 
 
 @functools.cache
@@ -229,6 +264,7 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._compute = step_lib.jit_compute_step(setup, state_like)
     self._first: Measurement | None = None  # this process's first measurement
+    self._link: Link | None = None  # the last link measured (sizes the next large probe)
     self.lead = jax.process_index() == 0
 
   @property
@@ -236,27 +272,32 @@ class AutoExchange:
     """The form in force (None before the first choice)."""
     return self.history[-1]["form"] if self.history else None
 
+  def _scheduled(self, step: int) -> str:
+    """The schedule's form at `step`: "measured" without a schedule."""
+    c = self.compression
+    return scheduled(c.auto_schedule, step) if c.auto_schedule else "measured"
+
   def level(self, step: int) -> int:
     """The compressor's level at `step` for the form in force."""
-    if self.compression.auto_schedule:
-      form = scheduled(self.compression.auto_schedule, step)
-    else:
+    form = self._scheduled(step)
+    if form == "measured":
       form = self.form
     return self.dense_level if form == "dense" else self.sparse_level(step)
 
   def _due(self, step: int) -> bool:
     c = self.compression
-    if c.auto_schedule:
-      return any(first == step for first, _ in c.auto_schedule) or not self.history
     last = self.history[-1]["step"] if self.history else None
-    return last is None or (bool(c.auto_every_steps) and step % c.auto_every_steps == 0
-                            and last != step)
+    if any(first == step for first, _ in c.auto_schedule) or last is None:
+      return last != step
+    return (self._scheduled(step) == "measured" and bool(c.auto_every_steps)
+            and step % c.auto_every_steps == 0 and last != step)
 
   def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, compute and local-work probes (each the slowest process's); after this
     process's first measurement the link alone (compute and selection do not change with it,
     and the compute pass is the dearest probe: a step's forward and backward, four times)."""
-    link = _probe_link(self.setup.mesh, self.shard, warm=self._first is None)
+    # (the guide is the same on every process: fitted from the slowest times)
+    link, self._link = _probe_link(self.setup.mesh, self.shard, self._link)
     if self._first is None:
       compute, select = _slowest([
           _timed(self._compute, state, *batch),
@@ -270,8 +311,8 @@ class AutoExchange:
       return
     c = self.compression
     entry: dict[str, Any] = {"step": step}
-    if c.auto_schedule:
-      entry.update(form=scheduled(c.auto_schedule, step), why="auto_schedule")
+    if self._scheduled(step) != "measured":
+      entry.update(form=self._scheduled(step), why="auto_schedule")
     else:
       m = self.measure(state, batch)
       step_s = predict(m, algorithm=c.auto_sparse, n=self.n, density=c.density,

@@ -132,7 +132,8 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       # the link alone: a few small all-reduces), switching for a
       # predicted gain over `auto_margin`. auto_step_factor: the sparse system's steps to the
       # target over dense's (a property of the task and density: docs/auto.md has the measured
-      # ones). auto_schedule ((first_step, "dense" | "sparse"), ...) fixes the choices instead.
+      # ones). auto_schedule ((first_step, "dense" | "sparse" | "measured"), ...) fixes the
+      # choices instead ("measured": measured again from that step).
       "auto_sparse": "hitopk",
       "auto_step_factor": 1.1,
       "auto_every_steps": 10,
@@ -147,6 +148,9 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       # the first pipelined step, in epochs (the steps before it unpipelined: a late gradient
       # costs most in the early, fast-moving steps)
       "pipeline_from_epochs": 0.0,
+      # weight prediction: each pipelined gradient taken at the parameters extrapolated by the
+      # last update (about where it will be applied; SpecTrain, PipeMare)
+      "pipeline_predict": False,
   })
 
 
@@ -199,6 +203,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
 
 # eval metrics a run can aim at ("" = none); "loss" is better lower, the others higher
 TARGET_METRICS = ("", "accuracy", "top5_accuracy", "loss")
+AUTO_FORMS = ("dense", "sparse", "measured")  # the forms of compression.auto_schedule
 
 
 def target_reached(metric: str, value: float, target: float) -> bool:
@@ -272,11 +277,12 @@ def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], N
   need(0 <= c.auto_margin < 1, "compression.auto_margin", "in [0, 1)")
   entries = c.auto_schedule
   ok = all(isinstance(e, tuple | list) and len(e) == 2 and isinstance(e[0], int)
-           and not isinstance(e[0], bool) and e[1] in ("dense", "sparse") for e in entries)
+           and not isinstance(e[0], bool) and e[1] in AUTO_FORMS for e in entries)
   steps = [e[0] for e in entries] if ok else []
   need(ok and steps == sorted(set(steps)) and (not steps or steps[0] == 0),
        "compression.auto_schedule",
-       "((0, 'dense' | 'sparse'), (step, 'dense' | 'sparse'), ...) with rising steps")
+       "((0, form), (step, form), ...) with rising steps, each form one of "
+       f"{', '.join(AUTO_FORMS)}")
 
 
 def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
@@ -290,6 +296,10 @@ def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
   need(c.compression.pipeline in ("", "program", "device"), "compression.pipeline",
        "'' (off), 'program' or 'device'")
   need(c.compression.pipeline_from_epochs >= 0, "compression.pipeline_from_epochs", ">= 0")
+  need(c.compression.pipeline_predict in (False, True), "compression.pipeline_predict",
+       "False or True")
+  need(not c.compression.pipeline_predict or c.compression.pipeline,
+       "compression.pipeline_predict", "False unless compression.pipeline is set")
   if c.compression.pipeline:
     need(c.compression.algorithm != "auto", "compression.pipeline",
          "'' with compression.algorithm 'auto' (not pipelined yet)")

@@ -328,7 +328,8 @@ def _train_step(config: Any, setup: TrainSetup, state: Any,
     return _per_level(setup, auto.level if auto else setup.density_level)
   return pipeline_lib.Pipeline(
       setup, state, setup.density_level, total_steps, config.compression.pipeline,
-      compute_mesh, start=round(config.compression.pipeline_from_epochs * steps_per_epoch))
+      compute_mesh, start=round(config.compression.pipeline_from_epochs * steps_per_epoch),
+      predict=config.compression.pipeline_predict)
 
 
 def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,

@@ -19,6 +19,11 @@ Two placements of the same arithmetic:
   go to the compute devices and the gradient back as local copies, never over the link.
 
 A step's logged metrics are those of the gradient it applies (computed one step earlier).
+
+Weight prediction (`predict`, config `compression.pipeline_predict`; SpecTrain, Chen et al.
+2018; PipeMare): the gradient is taken at p_t + (p_t - p_{t-1}), the parameters extrapolated by
+the last update, which is about where it will be applied (p_{t+1}) when consecutive updates are
+alike, as momentum and Adam's first moment make them. `Pending.update` carries that last update.
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ class Pending(NamedTuple):
 
   grads: float32[workers, padded_size]. batch_stats: the BatchNorm statistics its forward pass
   produced. metrics: {name: float32[workers]}, its loss and accuracies on the worker's slice.
+  update: float32[workers, padded_size], the last update applied to the parameters (each worker
+  the same; zeros unless the pipeline predicts weights).
   """
 
   grads: jax.Array
   batch_stats: Any
   metrics: dict[str, jax.Array]
+  update: jax.Array
 
 
 def split_devices(devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list[jax.Device]]:
@@ -71,11 +79,14 @@ def split_devices(devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list
   return flat[0::2], flat[1::2]
 
 
-def _pending(setup: TrainSetup, params, batch_stats, step, inputs, labels) -> Pending:
-  """One worker's gradient as a `Pending` (inside `shard_map`; `batch_stats` per worker)."""
-  grads, stats, metrics = step_lib.gradient(setup, step, params, step_lib._first(batch_stats),
+def _pending(setup: TrainSetup, params, batch_stats, step, inputs, labels, update,
+             predict: bool = False) -> Pending:
+  """One worker's gradient as a `Pending` (inside `shard_map`; `batch_stats` and `update` per
+  worker), taken at `params + update` if `predict`; the update passed through."""
+  at = params + update[0] if predict else params
+  grads, stats, metrics = step_lib.gradient(setup, step, at, step_lib._first(batch_stats),
                                             inputs, labels)
-  return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics))
+  return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics), update)
 
 
 def with_pending(setup: TrainSetup, state: TrainState, example: Sequence[jax.Array]
@@ -83,7 +94,8 @@ def with_pending(setup: TrainSetup, state: TrainState, example: Sequence[jax.Arr
   """`state` with a zero `Pending` of the right shapes (placed per worker on `setup.mesh`) for
   the batch `example` (inputs, labels)."""
   def body(state, inputs, labels):
-    return _pending(setup, state.params, state.batch_stats, state.step, inputs, labels)
+    return _pending(setup, state.params, state.batch_stats, state.step, inputs, labels,
+                    jnp.zeros_like(state.params)[None])
 
   specs = state_specs(state)
   shapes = jax.eval_shape(jax.shard_map(
@@ -119,12 +131,13 @@ class Pipeline:
   also applies its own gradient. placement: "program" or "device". compute_mesh: the compute
   devices' mesh, same shape as `setup.mesh` (placement "device"). start: the first pipelined
   step (the steps before it run unpipelined, `step.train_step`: the early, fast-moving steps
-  are where a late gradient costs most; the start step only computes).
+  are where a late gradient costs most; the start step only computes). predict: take each
+  gradient at the parameters extrapolated by the last update (see the module).
   """
 
   def __init__(self, setup: TrainSetup, state_like: TrainState, level_of: Callable,
                total_steps: int, placement: str = "device", compute_mesh: Mesh | None = None,
-               start: int = 0):
+               start: int = 0, predict: bool = False):
     if placement not in PLACEMENTS:
       raise ValueError(f"pipeline placement {placement!r}: allowed {', '.join(PLACEMENTS)}")
     if placement == "device" and (compute_mesh is None
@@ -133,6 +146,7 @@ class Pipeline:
     if start < 0:
       raise ValueError(f"pipeline start step must be >= 0, got {start}")
     self.setup, self.level_of, self.total, self.start = setup, level_of, total_steps, start
+    self.predict = predict
     self.placement, self.compute_mesh = placement, compute_mesh
     self.specs, self.specs_like = state_specs(state_like), state_like
     self._compiled: dict[tuple[str, Any], Callable] = {}
@@ -140,14 +154,18 @@ class Pipeline:
 
   # ------------------------------------------------------------------ the two halves
 
-  def _compute_body(self, params, batch_stats, step, inputs, labels) -> Pending:
-    return _pending(self.setup, params, batch_stats, step, inputs, labels)
+  def _compute_body(self, params, batch_stats, step, update, inputs, labels) -> Pending:
+    return _pending(self.setup, params, batch_stats, step, inputs, labels, update, self.predict)
 
   def _apply_body(self, state: TrainState, level: Any, advance: bool):
+    """The pending gradient applied; with `predict`, the update it made kept in the pending."""
     pending = state.pending
     new_state, metrics = step_lib.apply_gradient(
         self.setup, state, pending.grads[0], step_lib._first(pending.batch_stats), level,
         advance)
+    if self.predict:
+      new_state = new_state._replace(pending=pending._replace(
+          update=(new_state.params - state.params)[None]))
     local = jax.tree.map(lambda x: x[0], pending.metrics)
     if self.setup.learning_rate is not None:  # the optimizer's step: the gradient's, one back
       metrics["learning_rate"] = jnp.asarray(self.setup.learning_rate(state.step - 1),
@@ -162,9 +180,9 @@ class Pipeline:
 
   def _build(self, kind: str, level: Any) -> Callable:
     s, w = self.specs, P(WORKERS)
-    if kind == "compute":  # (params, batch_stats, step, inputs, labels) -> Pending
+    if kind == "compute":  # (params, batch_stats, step, update, inputs, labels) -> Pending
       return _shard_mapped(self.compute_mesh or self.setup.mesh, self._compute_body,
-                           (P(), s.batch_stats, P(), w, w), s.pending)
+                           (P(), s.batch_stats, P(), w, w, w), s.pending)
     if kind == "plain":  # the unpipelined step, before `start`
       return step_lib.jit_train_step(self.setup, self.specs_like, level)
     if kind == "settle":  # state -> state, through one program: arrays that `place` or a
@@ -180,9 +198,10 @@ class Pipeline:
                            (s,), (s, P()), donate_argnums=0)
 
     def both(state, inputs, labels):  # "program": one program, the two halves independent
-      pending = self._compute_body(state.params, state.batch_stats, state.step, inputs, labels)
+      pending = self._compute_body(state.params, state.batch_stats, state.step,
+                                   state.pending.update, inputs, labels)
       new_state, metrics = self._apply_body(state, level, advance=True)
-      return new_state._replace(pending=pending), metrics
+      return new_state._replace(pending=pending._replace(update=new_state.pending.update)), metrics
     return _shard_mapped(self.setup.mesh, both, (s, w, w), (s, P()), donate_argnums=0)
 
   # ------------------------------------------------------------------ one loop step
@@ -192,7 +211,8 @@ class Pipeline:
     "device") and brought back as a `Pending` on the state's mesh. Dispatched, not waited for."""
     mesh = self.compute_mesh or self.setup.mesh
     move = (lambda x: _move(x, mesh)) if self.compute_mesh is not None else (lambda x: x)
-    args = jax.tree.map(move, (state.params, state.batch_stats, state.step, *batch))
+    args = jax.tree.map(move, (state.params, state.batch_stats, state.step,
+                               state.pending.update, *batch))
     pending = self._fn("compute")(*args)
     if self.compute_mesh is None:
       return pending
@@ -206,7 +226,7 @@ class Pipeline:
       return self._fn("both", level)(state, *batch)
     pending = self.gradient(state, batch)  # dispatched back to back: the exchange runs
     state, metrics = self.apply(state, level)  # while the gradient computes
-    return state._replace(pending=pending), metrics
+    return state._replace(pending=pending._replace(update=state.pending.update)), metrics
 
   def apply(self, state: TrainState, level: Any) -> tuple[TrainState, dict[str, jax.Array]]:
     """The pending gradient exchanged at density `level` and applied (the state donated; its
@@ -251,7 +271,7 @@ class Pipeline:
     like = jax.tree.map(  # the compute half's arguments, as they will arrive on its mesh
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                        sharding=NamedSharding(mesh, x.sharding.spec)),
-        (state.params, state.batch_stats, state.step, *batch))
+        (state.params, state.batch_stats, state.step, state.pending.update, *batch))
     self._compiled[("compute", None)] = self._fn("compute").lower(*like).compile()
 
 

@@ -1,0 +1,216 @@
+"""Algorithm "auto" trained end to end at each link speed, against the fixed systems.
+
+For each bandwidth, `--seeds` process runs of an auto system (`--system`, a name of the
+time-to-accuracy study's SYSTEMS) train on the study's emulated cluster with the link at that
+bandwidth from the first step to the target (the study's runs phase with `--headline` set to the
+bandwidth and `--stop-at-target`): auto measures the link itself and chooses its forms; its
+train time to target is measured, probes included. They are set against a reference study of
+the same task (`--reference`, a time_to_accuracy.py result with the parity phase, the fixed
+systems trained and swept at every bandwidth here): each fixed system's time to target there
+(steps to target x its step time measured at that bandwidth), PyTorch DDP's, the dense exchange /
+compute ratio R, and the compute parity (JAX step / PyTorch step, compute only).
+
+Judged per bandwidth (the issue's must-shows): auto within 1.1x of the best fixed sparsejax
+system; against DDP no later where R >= 1, at least 1.5x sooner where R >= 2, and where R < 1
+no later than DDP's time x the parity; auto's exposed exchange per step (its mean step to the
+target minus the JAX compute-only step) no more than DDP's (its swept step minus PyTorch's).
+
+  python experiments/auto_end_to_end.py --config configs/tta_kjv_lm.py --system auto-0.05 \\
+    --reference experiments/results/time_to_accuracy_lm_auto.json \\
+    --bandwidths 2gbit,1gbit,500mbit,200mbit,100mbit,50mbit --seeds 3 \\
+    --out experiments/results/auto_end_to_end_lm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from experiments import tta_analysis, tta_systems  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+  command_line,
+  footer,
+  portable_path,
+  resolve,
+  spread,
+  write_results,
+)
+
+STUDY = os.path.join(ROOT, "experiments", "time_to_accuracy.py")
+
+
+def train_at(config: str, system: str, bandwidth: str, seeds: int, sets: list[str],
+             log) -> dict[str, Any]:
+  """The study's runs phase for `system` alone, the link at `bandwidth` throughout, each run
+  stopped at the target: its results (train rows with curves and auto's forms)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "run.json")
+    cmd = [sys.executable, STUDY, "--config", config, "--systems", system, "--phases", "runs",
+           "--seeds", str(seeds), "--bandwidths", bandwidth, "--headline", bandwidth,
+           "--stop-at-target", "--out", out] + [a for s in sets for a in ("--set", s)]
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    with open(out) as f:
+      return json.load(f)
+
+
+def auto_runs(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
+  """Per seed of `system` in a study's results: measured steps and train time to the target,
+  and the forms auto ran (step, form) where it changed."""
+  metric, target = tta_analysis.target_metric(results), results["meta"]["target"]
+  out = []
+  for r in results.get("train", []):
+    if r["system"] != system:
+      continue
+    hit = tta_analysis.steps_to_target(r["curve"], target, metric)
+    forms = [(c["step"], c["form"]) for c in r.get("exchange_choices", [])]
+    forms = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
+    out.append({"seed": r["seed"], "steps": hit["step"] if hit else None,
+                "time_s": hit["train_time_s"] if hit else None, "forms": forms})
+  return out
+
+
+def _median(values) -> float | None:
+  vals = [v for v in values if v is not None]
+  return statistics.median(vals) if vals else None
+
+
+def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
+          system: str) -> dict[str, Any]:
+  """One bandwidth's comparison: auto's measured time to target against the reference's fixed
+  systems there, its exposed exchange against DDP's, and the verdicts."""
+  analysis = reference["analysis"]
+  times = {s: e["predicted_time_to_target_s"].get(bandwidth) for s, e in analysis.items()
+           if s != system and e["predicted_time_to_target_s"].get(bandwidth)}
+  fixed = {s: _median(v) for s, v in times.items() if not s.startswith("torch")}
+  best = min(fixed, key=lambda s: fixed[s])
+  ddp = _median(times["torch-ddp"])
+  r = reference["exchange_over_compute"].get(bandwidth)
+  parity = statistics.median(x["jax_over_torch"] for x in reference["parity"])
+  mine = [x["time_s"] for x in runs]
+  med = _median(mine)
+  jax_compute = tta_analysis.compute_s(reference, "jax")
+  torch_compute = tta_analysis.compute_s(reference, "torch")
+  exposed = [x["time_s"] / x["steps"] - jax_compute for x in runs if x["steps"]]
+  ddp_steps = [row["step_s"] for row in reference["sweep"]
+               if row["system"] == "torch-ddp" and row["bandwidth"] == bandwidth]
+  ddp_exposed = [s - torch_compute for s in ddp_steps]
+  over_ddp = ddp / med if med else None
+  need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
+  return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
+          "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
+          "fixed_time_s": times, "best_fixed": best,
+          "auto_over_best": med / fixed[best] if med else None,
+          "ddp_over_auto": over_ddp, "ddp_over_auto_needed": need,
+          "auto_exposed_s": exposed, "ddp_exposed_s": ddp_exposed,
+          "within_1.1_of_best": bool(med and med / fixed[best] <= 1.1),
+          "ddp_target_met": bool(over_ddp and over_ddp >= need),
+          "exposed_met": bool(exposed and max(exposed) <= _median(ddp_exposed))}
+
+
+def _x(ratio: float | None) -> str:
+  return "not reached" if ratio is None else f"{ratio:.2f}"
+
+
+def _forms(forms: list[list]) -> str:
+  return ", then ".join(f"{form} from {step}" for step, form in forms) or "-"
+
+
+def table(results: dict[str, Any]) -> str:
+  m = results["meta"]
+  rows = results["rows"]
+  fixed = sorted({s for row in rows for s in row["fixed_time_s"]})
+  lines = [f"`{m['system']}` trained end to end at each link (its measured train time to "
+           f"{m['target_metric']} {m['target']}, probes included, {m['seeds']} seeds min / "
+           "median / max) against the reference study's fixed systems (steps to target x step "
+           f"time measured at that link; `{m['reference']}`). R: dense exchange / compute. "
+           "Needed over DDP: 1.5x where R >= 2, 1x where R >= 1, 1 / parity below:", "",
+           "| link | R | auto s | " + " | ".join(f"{s} s" for s in fixed)
+           + " | auto / best fixed | DDP / auto (needed) |", "|---|---:|" + "---:|" * (
+               len(fixed) + 3)]
+  for row in rows:
+    cells = [spread(row["fixed_time_s"].get(s, []), 1) for s in fixed]
+    lines.append(f"| {row['bandwidth']} | {row['R']:.2g} | {spread(row['auto_time_s'], 1)} | "
+                 + " | ".join(cells) + f" | {_x(row['auto_over_best'])} ({row['best_fixed']}) | "
+                 f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
+  lines += ["", "Exposed exchange per step (ms; auto: its mean step to the target, warm-up "
+            "and probes included, minus the JAX compute-only step; DDP: its swept step minus "
+            "PyTorch's), auto's steps to target and its forms (seed 0's):", "",
+            "| link | auto exposed | DDP exposed | auto steps | auto's forms |",
+            "|---|---:|---:|---:|---|"]
+  for row in rows:
+    lines.append(f"| {row['bandwidth']} | {spread(row['auto_exposed_s'], 1, 1e3)} | "
+                 f"{spread(row['ddp_exposed_s'], 1, 1e3)} | {spread(row['auto_steps'], 0)} | "
+                 f"{_forms(row['forms'][0] if row['forms'] else [])} |")
+  verdicts = {k: all(row[k] for row in rows) for k in
+              ("within_1.1_of_best", "ddp_target_met", "exposed_met")}
+  lines += ["", "Met at every link: " + ", ".join(f"{k}: {'yes' if v else 'no'}"
+                                                  for k, v in verdicts.items()), "", footer(m)]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", required=True)
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+  ap.add_argument("--system", required=True, help="an auto system of the study's SYSTEMS")
+  ap.add_argument("--reference", required=True, help="a time_to_accuracy study's JSON (with "
+                  "parity, the fixed systems and torch-ddp swept at every --bandwidths)")
+  ap.add_argument("--bandwidths", required=True, help="where to train auto, each swept in "
+                  "the reference")
+  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--from-results", metavar="JSON", help="no runs: auto's runs from this "
+                  "file judged again against --reference (a reference moved into the checkout)")
+  args = ap.parse_args(argv)
+  reference = load_reference(ap, args)
+  if args.from_results:
+    with open(args.from_results) as f:
+      results = json.load(f)
+  else:
+    results = {"runs": {}, "meta": {
+        "system": args.system, "seeds": args.seeds, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+        "command": command_line("experiments/auto_end_to_end.py",
+                                list(sys.argv[1:] if argv is None else argv))}}
+    for bandwidth in [b.strip() for b in args.bandwidths.split(",")]:
+      results["runs"][bandwidth] = auto_runs(train_at(
+          args.config, args.system, bandwidth, args.seeds, args.sets, sys.stdout), args.system)
+      print(json.dumps({bandwidth: results["runs"][bandwidth]}), flush=True)
+  results["meta"].update(reference=portable_path(args.reference),
+                         target=reference["meta"]["target"],
+                         target_metric=tta_analysis.target_metric(reference))
+  results["rows"] = [judge(reference, bw, runs, results["meta"]["system"])
+                     for bw, runs in results["runs"].items()]
+  text = table(results)
+  print(text)
+  write_results(args.out, results, text)
+  return 0
+
+
+def load_reference(ap, args) -> dict[str, Any]:
+  """The reference study's results, checked to hold what the judgement needs."""
+  with open(resolve(args.reference)) as f:
+    reference = json.load(f)
+  if tta_systems.system_spec(args.system)[1].get("compression.algorithm") != "auto":
+    ap.error(f"--system {args.system!r} is not an auto system of the study")
+  missing = [k for k in ("parity", "analysis", "sweep") if not reference.get(k)]
+  if missing or "torch-ddp" not in reference["analysis"]:
+    ap.error(f"--reference {args.reference!r} lacks {missing or ['torch-ddp']}: run the study "
+             "with --phases parity,runs and torch-ddp among its systems")
+  return reference
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,110 @@
+"""experiments/auto_end_to_end.py: auto's measured runs judged against a reference study, on
+hand-made results whose verdicts are worked out by hand (the launches themselves are the study's,
+tested in tests/test_time_to_accuracy.py)."""
+
+import json
+
+import pytest
+
+from experiments import auto_end_to_end as e2e
+
+
+def _curve(times: list[float], losses: list[float]) -> list[dict]:
+  return [{"step": 25 * (i + 1), "train_time_s": t, "loss": v}
+          for i, (t, v) in enumerate(zip(times, losses))]
+
+
+def reference() -> dict:
+  """A study at headline "unlimited": dense, hitopk-0.05 and DDP swept at two links; auto-0.05
+  trained at the headline (seeds reach loss 4.55 at 50, 50 and 75 steps)."""
+  train = [{"system": "auto-0.05", "seed": s, "curve": _curve(t, v),
+            "exchange_choices": [{"step": 0, "form": "dense"}, {"step": 10, "form": "dense"},
+                                 {"step": 20, "form": "sparse"}]}
+           for s, (t, v) in enumerate([([3.0, 6.1], [4.9, 4.5]), ([3.2, 6.3], [4.8, 4.4]),
+                                       ([3.1, 6.0, 9.4], [4.9, 4.6, 4.5])])]
+  return {
+      "meta": {"headline": "unlimited", "target": 4.55, "target_metric": "loss"},
+      "train": train,
+      "parity": [{"jax_over_torch": r, "jax": {"step_s": 0.10}, "torch": {"step_s": 0.08}}
+                 for r in (1.2, 1.25, 1.3)],
+      "exchange_over_compute": {"unlimited": 0.4, "100mbit": 2.5},
+      "analysis": {
+          "dense": {"predicted_time_to_target_s": {"unlimited": [6.0, 6.2, 6.4],
+                                                   "100mbit": [100.0, 101.0, 99.0]}},
+          "hitopk-0.05": {"predicted_time_to_target_s": {"unlimited": [7.0, 7.1, 7.2],
+                                                         "100mbit": [50.0, 52.0, 54.0]}},
+          "torch-ddp": {"predicted_time_to_target_s": {"unlimited": [5.0, 5.0, 5.0],
+                                                       "100mbit": [90.0, 90.0, 90.0]}},
+          "auto-0.05": {"predicted_time_to_target_s": {}}},
+      "sweep": [{"system": "torch-ddp", "bandwidth": bw, "density": 1.0, "step_s": s}
+                for bw, s in [("unlimited", 0.11), ("unlimited", 0.12), ("100mbit", 0.30),
+                              ("100mbit", 0.32)]]}
+
+
+def test_auto_runs_reads_time_steps_and_changes_of_form():
+  runs = e2e.auto_runs(reference(), "auto-0.05")
+  assert [r["steps"] for r in runs] == [50, 50, 75]
+  assert [r["time_s"] for r in runs] == [6.1, 6.3, 9.4]
+  assert runs[0]["forms"] == [(0, "dense"), (20, "sparse")]
+
+
+def test_judge_slow_link_against_best_fixed_and_ddp():
+  runs = [{"seed": i, "steps": 250, "time_s": t, "forms": []} for i, t in enumerate(
+      [48.0, 50.0, 60.0])]
+  row = e2e.judge(reference(), "100mbit", runs, "auto-0.05")
+  assert row["best_fixed"] == "hitopk-0.05"
+  assert row["auto_over_best"] == pytest.approx(50.0 / 52.0)
+  assert row["ddp_over_auto"] == pytest.approx(90.0 / 50.0)
+  assert row["ddp_over_auto_needed"] == 1.5  # R 2.5 >= 2
+  # exposed: mean step to target - JAX compute; DDP: its swept step - PyTorch compute
+  assert row["auto_exposed_s"] == pytest.approx([48 / 250 - 0.1, 50 / 250 - 0.1, 60 / 250 - 0.1])
+  assert row["ddp_exposed_s"] == pytest.approx([0.22, 0.24])
+  assert row["within_1.1_of_best"] and row["ddp_target_met"] and row["exposed_met"]
+
+
+def test_judge_fast_link_allows_the_compute_parity():
+  runs = e2e.auto_runs(reference(), "auto-0.05")  # median 6.3 s
+  row = e2e.judge(reference(), "unlimited", runs, "auto-0.05")
+  assert row["best_fixed"] == "dense"
+  assert row["auto_over_best"] == pytest.approx(6.3 / 6.2)
+  assert row["ddp_over_auto_needed"] == pytest.approx(1 / 1.25)  # R < 1: DDP x parity
+  assert not row["ddp_target_met"]  # 5.0 / 6.3 = 0.79 < 0.8
+  # auto's worst seed exposes 6.3 / 50 - 0.1 = 26 ms a step, DDP 30 and 40 ms
+  assert max(row["auto_exposed_s"]) == pytest.approx(0.026)
+  assert row["exposed_met"]
+
+
+def test_from_results_rejudges_against_a_moved_reference(tmp_path, capsys):
+  ref = tmp_path / "ref.json"
+  ref.write_text(json.dumps(reference()))
+  runs = {"unlimited": e2e.auto_runs(reference(), "auto-0.05"),
+          "100mbit": [{"seed": 0, "steps": 250, "time_s": 95.0, "forms": [[0, "sparse"]]}]}
+  stored = tmp_path / "e2e_in.json"
+  stored.write_text(json.dumps({"runs": runs, "meta": {
+      "system": "auto-0.05", "seeds": 3, "machine": "x", "cpus": 2, "date": "d",
+      "command": "python experiments/auto_end_to_end.py"}}))
+  out = tmp_path / "e2e.json"
+  assert e2e.main(["--config", "c", "--system", "auto-0.05", "--reference", str(ref),
+                   "--bandwidths", "unlimited,100mbit", "--out", str(out),
+                   "--from-results", str(stored)]) == 0
+  got = json.loads(out.read_text())
+  assert [r["bandwidth"] for r in got["rows"]] == ["unlimited", "100mbit"]
+  assert got["rows"][1]["auto_over_best"] == pytest.approx(95.0 / 52.0)
+  table = (tmp_path / "e2e.md").read_text()
+  assert "| 100mbit | 2.5 | 95.0 |" in table
+  assert "within_1.1_of_best: no" in table
+
+
+def test_bad_system_and_incomplete_reference_are_named(tmp_path, capsys):
+  ref = tmp_path / "ref.json"
+  ref.write_text(json.dumps(reference()))
+  common = ["--config", "c", "--bandwidths", "unlimited", "--out", str(tmp_path / "o.json")]
+  with pytest.raises(SystemExit):
+    e2e.main(common + ["--system", "hitopk-0.05", "--reference", str(ref)])
+  assert "'hitopk-0.05' is not an auto system" in capsys.readouterr().err
+  partial = reference()
+  del partial["parity"]
+  ref.write_text(json.dumps(partial))
+  with pytest.raises(SystemExit):
+    e2e.main(common + ["--system", "auto-0.05", "--reference", str(ref)])
+  assert "lacks ['parity']" in capsys.readouterr().err
