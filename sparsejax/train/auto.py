@@ -264,7 +264,7 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._compute = step_lib.jit_compute_step(setup, state_like)
     self._first: Measurement | None = None  # this process's first measurement
-    self._link: Link | None = None  # the last link measured (sizes the next large probe)
+    self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self.lead = jax.process_index() == 0
 
   @property
@@ -311,8 +311,9 @@ class AutoExchange:
       return
     c = self.compression
     entry: dict[str, Any] = {"step": step}
-    if self._scheduled(step) != "measured":
-      entry.update(form=self._scheduled(step), why="auto_schedule")
+    form = self._scheduled(step)
+    if form != "measured":
+      entry.update(form=form, why="auto_schedule")
     else:
       m = self.measure(state, batch)
       step_s = predict(m, algorithm=c.auto_sparse, n=self.n, density=c.density,
