@@ -210,15 +210,16 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   """2 emulated nodes of one worker, ResNet-20 on digits: its dense exchange (1.1 MB) takes
   ~0.45 s at 20 Mbit/s against ~16 ms of compute a step, so auto starts sparse; the link is
   lifted once that first choice is logged, and a later measurement switches to the dense form
-  (its exchange then takes 0.3-7 ms: the lifted veth measured 160-3,600 Mbit/s). The sparse
-  form's steps are taken as 1.5x dense's, so that the choice after the lift is clear of the
-  probes' noise (at 1.1 it is within a few percent at the slowest lifted link seen)."""
+  (its exchange then takes 0.3-7 ms: the lifted veth measured 160-3,600 Mbit/s unloaded, 305 in
+  one CI run beside other tests). The sparse form's steps are taken as 3x dense's, so that the
+  choice after the lift is clear of the probes' noise: dense wins above ~30 MB/s, and the
+  throttled link (2.5 MB/s) still calls for sparse."""
   need_root("tests")
   workdir = tmp_path / "run"
   argv = ["train", os.path.join(ROOT, "configs", "quickstart.py"), "--workdir", str(workdir),
           "--no-progress", "--set", "mesh.local=1", "--set", "mesh.num_devices=2",
           "--set", "batch_size=64", "--set", "num_epochs=3", "--set", "compression.algorithm=auto",
-          "--set", "compression.auto_every_steps=20", "--set", "compression.auto_step_factor=1.5",
+          "--set", "compression.auto_every_steps=20", "--set", "compression.auto_step_factor=3.0",
           "--set", "eval_every_steps=0",
           "--set", "checkpoint_every_steps=0"]
   out, result = io.StringIO(), {}
@@ -235,8 +236,11 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
   assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
-  # ... and auto switched to dense at one of them and stayed (on a loaded machine the first
-  # measurement after the lift can still predict sparse within the margin: one CI run did)
-  forms = [c["form"] for c in choices[1:]]
-  assert "dense" in forms and all(f == "dense" for f in forms[forms.index("dense"):]), choices
+  assert "dense" in [c["form"] for c in choices[1:]], choices  # ... and auto switched to dense
+  # Each choice is the one its own figures call for, from the form before it (on a loaded
+  # machine a later probe can still measure the lifted link slow enough for sparse: one CI run's
+  # did at 1.5x, and switching back is then right).
+  for before, c in zip(choices, choices[1:]):
+    step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}
+    assert c["form"] == auto.choose(step_s, 3.0, before["form"], 0.05), (before, c)
   assert "sparsejax auto: step 0:" in out.getvalue()
