@@ -33,3 +33,20 @@ def test_top1_and_top5_counts_match_a_sort():
   assert float(got["accuracy"]) == pytest.approx(float(np.sum(weights * top1)))
   assert float(got["top5_accuracy"]) == pytest.approx(float(np.sum(weights * top5)))
   assert 0 < np.sum(weights * top5) < np.sum(weights)  # the case is not trivial
+
+
+def test_tied_logits_rank_as_argmax_and_top_k_break_ties():
+  """Ties go to the lower index, as argmax and lax.top_k: all-equal logits (a zero-initialised
+  head) make class 0 the prediction, not every class."""
+  rng = np.random.default_rng(11)
+  logits = rng.integers(-2, 3, (5, 7, 13)).astype(np.float32)  # few values: many ties
+  logits[0] = 0.0
+  labels = rng.integers(0, 13, (5, 7))
+  labels[:, :2] = np.argmax(logits[:, :2], axis=-1)  # some right at top-1
+  weights = np.ones((5, 7), np.float32)
+  got = step._correct(logits, labels, weights, 13)
+  top1 = np.argmax(logits, axis=-1) == labels
+  top5 = np.any(np.asarray(jax.lax.top_k(logits, 5)[1]) == labels[..., None], axis=-1)
+  assert float(got["accuracy"]) == float(np.sum(top1))
+  assert float(got["top5_accuracy"]) == float(np.sum(top5))
+  assert 0 < np.sum(top1) < np.sum(top5) < weights.size

@@ -54,13 +54,19 @@ def _mask(labels):
 
 
 def _correct(logits, labels, weights, num_classes: int) -> dict[str, jax.Array]:
-  """Weighted counts of right predictions: top-1, and top-5 when there are over 5 classes."""
-  out = {"accuracy": jnp.sum(weights * (jnp.argmax(logits, -1) == labels))}
-  if num_classes > 5:  # the label is in the top 5 when fewer than 5 logits are above it (one
-    # compare pass; lax.top_k sorts, which on XLA:CPU cost more than a small model's step)
-    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)
-    above = jnp.sum(logits > picked, axis=-1)
-    out["top5_accuracy"] = jnp.sum(weights * (above < 5))
+  """Weighted counts of right predictions: top-1, and top-5 when there are over 5 classes.
+
+  One compare pass over the logits: the label's rank is the number of logits ordered before it
+  (greater, or equal at a lower index: argmax's and lax.top_k's tie-break), top-1 where it is 0.
+  An argmax is a second, variadic reduction (value and index): on XLA:CPU it cost the
+  Transformer LM's train step 13 of its 112 ms, and lax.top_k sorts."""
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)
+  index = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+  before = (logits > picked) | ((logits == picked) & (index < labels[..., None]))
+  rank = jnp.sum(before, axis=-1)
+  out = {"accuracy": jnp.sum(weights * (rank == 0))}
+  if num_classes > 5:
+    out["top5_accuracy"] = jnp.sum(weights * (rank < 5))
   return out
 
 
