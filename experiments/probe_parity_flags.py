@@ -57,6 +57,22 @@ def step_ms(config: str, runtime: str, flags: str, warmup: int, reps: int,
       return 1e3 * json.load(g)["step_s"]
 
 
+def _portable(argv: list[str]) -> list[str]:
+  """`argv` with each --checkout's directory a placeholder ($NAME): the commit is recorded."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    value = arg.split("=", 1)[1] if arg.startswith("--checkout=") else (
+        out[i + 1] if arg == "--checkout" and i + 1 < len(out) else None)
+    if value and "=" in value:
+      name = value.split("=", 1)[0]
+      placeholder = f"{name}=${name.upper()}"
+      if arg == "--checkout":
+        out[i + 1] = placeholder
+      else:
+        out[i] = f"--checkout={placeholder}"
+  return out
+
+
 def _commit(where: str) -> str:
   """The commit checked out at `where`."""
   return subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
@@ -108,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
       "flag_sets": {n: FLAG_SETS[n] for n in names}, "machine": platform.machine(),
       "checkouts": {n: _commit(d) for n, d in checkouts.items()},
       "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-      "command": command_line("experiments/probe_parity_flags.py",
-                              list(sys.argv[1:] if argv is None else argv))}}
+      "command": command_line("experiments/probe_parity_flags.py", _portable(
+          list(sys.argv[1:] if argv is None else argv)))}}
   for r in range(args.rounds):
     row = {"torch": step_ms(args.config, "torch", "", args.warmup, args.reps), "jax": {}}
     for name in names:
