@@ -12,16 +12,16 @@ one JSON line of medians (ms per call):
   parts     (PARTS=R) the step built up part by part, R interleaved rounds of 8 calls each:
             compute; + a one-value psum (a barrier: the ranks' skew); + the barrier and the
             gradient's psum; compute + psum; compute + exchange and update (`apply_gradient`:
-            the finite check's pmin, the psum, the norm, AdamW); the whole train step (+ the
-            metrics' pmean)
-  torch     (TORCH=1) torch.distributed.all_reduce of N float32 (PyTorch 2.13, gloo), and as 2
-            and 4 chunks (DDP's buckets)
+            the psum, the norm, AdamW), without and with the finite check's pmin; the whole
+            train step (+ the metrics' rank pass and pmean)
+  torch     (TORCH=1) torch.distributed.all_reduce of N float32, the JAX run's gradient size
+            (PyTorch, gloo), and as 2 and 4 chunks (DDP's buckets)
 
-Root (a network namespace per node; RATE: "unlimited" or a tc rate):
+Root (a network namespace per node). The driver alternates JAX and PyTorch process runs and
+writes JSON and a table:
 
-  python experiments/probe_dense_exchange.py [RATE]
-  PARTS=5 python experiments/probe_dense_exchange.py
-  TORCH=1 N=931840 python experiments/probe_dense_exchange.py
+  python experiments/probe_dense_exchange.py --runs 3 --parts 5 \\
+    --out experiments/results/probe_dense_exchange_lm.json
 """
 
 import json
@@ -51,6 +51,16 @@ def pin():
   os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
 
 
+def report(figures):
+  """Rank 0's figures: one JSON line on stdout, and to $PROBE_OUT where the driver set it."""
+  if rank != 0:
+    return
+  print(json.dumps(figures), flush=True)
+  if os.environ.get("PROBE_OUT"):
+    with open(os.environ["PROBE_OUT"], "w") as f:
+      json.dump(figures, f)
+
+
 def torch_probe(n):
   import numpy as np
   import torch
@@ -64,8 +74,7 @@ def torch_probe(n):
   for parts in (2, 4):  # DDP's buckets: several all-reduces a step
     chunks = list(buf.chunk(parts))
     figures[f"torch_{parts}"] = timed(lambda c=chunks: [dist.all_reduce(x) for x in c])
-  if rank == 0:
-    print(json.dumps(figures), flush=True)
+  report(figures)
   dist.destroy_process_group()
 
 
@@ -91,8 +100,28 @@ def profile(fn, steps=5, top=25):
   return {k: round(v, 2) for k, v in total.most_common(top)}
 
 
+def _no_pmin(run):
+  """The run's setup with its chain's finite check decided by each worker alone (no pmin): the
+  same state, one collective fewer."""
+  import dataclasses
+
+  import optax
+
+  from sparsejax.finite import apply_if_finite_across
+  from sparsejax.train import optimizer as opt_lib
+  from sparsejax.train import schedules
+  c, setup, per_epoch = run.config, run.setup, run.data.steps_per_epoch
+  lr = schedules.learning_rate(c.optimizer, per_epoch, run.total)
+  chain = optax.chain(
+      opt_lib.compressor(c.compression, schedules.density(c.compression, per_epoch),
+                         layout=setup.layout),
+      opt_lib.record_norm(), opt_lib.fused_optimizer(c.optimizer, lr, setup.layout, per_epoch))
+  return dataclasses.replace(setup, tx=apply_if_finite_across(chain, ()))
+
+
 def step_parts(run, batch):
-  """Programs that add the step's parts one by one: {name: call, blocking}."""
+  """Programs that add the step's parts one by one: {name: call, blocking}. Each returns one
+  value that depends on all it computes (nothing for XLA to drop)."""
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
@@ -100,28 +129,36 @@ def step_parts(run, batch):
   from sparsejax.train import step as step_lib
   from sparsejax.train.mesh import WORKERS
   from sparsejax.train.state import state_specs
-  setup, specs = run.setup, state_specs(run.state)
+  setup, specs, local = run.setup, state_specs(run.state), _no_pmin(run)
 
   def grad(state, inputs, labels):
     return step_lib.gradient(setup, state.step, state.params,
                              step_lib._first(state.batch_stats), inputs, labels)
 
-  bodies = {
-      "compute": lambda s, x, y: grad(s, x, y)[0].sum()[None],
-      "compute+psum": lambda s, x, y: lax.psum(grad(s, x, y)[0], WORKERS).sum()[None],
-      "compute+barrier": lambda s, x, y: lax.psum(grad(s, x, y)[0].sum(), WORKERS)[None],
-      "compute+barrier+psum": lambda s, x, y: _after_barrier(grad(s, x, y)[0]),
-      "compute+update": lambda s, x, y: step_lib.apply_gradient(
-          setup, s, *grad(s, x, y)[:2])[0].params.sum()[None],
-      "step": lambda s, x, y: step_lib.train_step(setup, s, x, y)[0].params.sum()[None],
-  }
-  def _after_barrier(g):
+  def after_barrier(g):
     ready = lax.psum(g[:1], WORKERS)  # every worker's gradient is done
-    return lax.psum(g + 0 * ready, WORKERS).sum()[None]
+    return lax.psum(g + 0 * ready, WORKERS).sum()
 
+  def update(chain_setup, s, x, y):
+    return step_lib.apply_gradient(chain_setup, s, *grad(s, x, y)[:2])[0].params.sum()
+
+  def whole(s, x, y):
+    state, metrics = step_lib.train_step(setup, s, x, y)
+    return state.params.sum() + sum(jax.tree.leaves(metrics))
+
+  bodies = {
+      "compute": lambda s, x, y: grad(s, x, y)[0].sum(),
+      "compute+psum": lambda s, x, y: lax.psum(grad(s, x, y)[0], WORKERS).sum(),
+      "compute+barrier": lambda s, x, y: lax.psum(grad(s, x, y)[0].sum(), WORKERS),
+      "compute+barrier+psum": lambda s, x, y: after_barrier(grad(s, x, y)[0]),
+      "compute+update, no pmin": lambda s, x, y: update(local, s, x, y),
+      "compute+update": lambda s, x, y: update(setup, s, x, y),
+      "step": whole,
+  }
   out = {}
   for name, body in bodies.items():
-    fn = jax.jit(jax.shard_map(body, mesh=setup.mesh, in_specs=(specs, P(WORKERS), P(WORKERS)),
+    fn = jax.jit(jax.shard_map(lambda s, x, y, b=body: b(s, x, y)[None], mesh=setup.mesh,
+                               in_specs=(specs, P(WORKERS), P(WORKERS)),
                                out_specs=P(WORKERS), check_vma=False))
     out[name] = lambda f=fn: jax.block_until_ready(f(run.state, *batch))
   return out
@@ -154,7 +191,7 @@ def jax_probe():
     run.state, metrics = fn(run.state, *batch)
     jax.block_until_ready(run.state)
   figures["step_fn"] = timed(bare_step)
-  if os.environ.get("PARTS"):  # the step in parts, interleaved rounds (every rank the same)
+  if int(os.environ.get("PARTS", "0")):  # the step in parts, interleaved rounds (all ranks)
     parts = step_parts(run, batch)
     rounds = {k: [] for k in parts}
     for _ in range(int(os.environ["PARTS"])):
@@ -182,17 +219,90 @@ def jax_probe():
   for name, body in tests.items():
     fn = program(body)
     figures[name] = timed(lambda f=fn: jax.block_until_ready(f(x)))
-  if rank == 0:
-    print(json.dumps(figures), flush=True)
+  report(figures)
 
 
-if "SPARSEJAX_PROCESS_ID" not in os.environ:  # the launcher: one process per node
+# ----------------------------------------------------------------------------- driver
+
+PARTS = (  # (row, later program, earlier program): what the later one adds, per round
+    ("the ranks' skew (a one-value psum after the gradient)", "compute+barrier", "compute"),
+    ("the gradient's psum after that barrier", "compute+barrier+psum", "compute+barrier"),
+    ("the gradient's psum (skew included)", "compute+psum", "compute"),
+    ("the update without the finite check's pmin (norm, AdamW)", "compute+update, no pmin",
+     "compute+psum"),
+    ("the finite check's pmin", "compute+update", "compute+update, no pmin"),
+    ("the metrics (rank pass, pmean)", "step", "compute+update"))
+
+
+def table(results: dict) -> str:
+  """The runs' figures, min / median / max over the process runs (each a median of its
+  calls; a part: the median over its rounds of the later program minus the earlier)."""
+  from experiments.results_io import footer, spread
+  jax_runs, torch_runs = results["jax"], results["torch"]
+
+  def row(name, values):
+    return f"| {name} | {spread(values, 1)} |"
+  lines = ["Where the sparsejax dense step's time goes beyond the forward and backward pass: the "
+           "Transformer LM on 2 emulated nodes (one process pinned to one core each, unlimited "
+           f"link), ms, min / median / max over {len(jax_runs)} process runs (and "
+           f"{len(torch_runs)} of PyTorch's):", "", "| part | ms |", "|---|---:|",
+           row("forward and backward alone", [r["compute"] for r in jax_runs]),
+           row("the compiled train step", [r["step_fn"] for r in jax_runs]),
+           row("step - forward and backward", [r["step_fn"] - r["compute"] for r in jax_runs])]
+  for name, later, earlier in PARTS:
+    lines.append(row(name, [statistics.median(a - b for a, b in zip(
+        r["parts"][later], r["parts"][earlier])) for r in jax_runs if "parts" in r]))
+  lines += [row("XLA psum of the gradient's size alone (gloo)", [r["psum"] for r in jax_runs]),
+            row("... as 4 psums of a quarter", [r["psum_4"] for r in jax_runs]),
+            row("PyTorch all_reduce of the same size alone (gloo)",
+                [r["torch"] for r in torch_runs]),
+            row("... as 2 all_reduces of half (DDP's buckets)",
+                [r["torch_2"] for r in torch_runs]),
+            "", f"Gradient: {jax_runs[0]['n']:,} float32.", "", footer(results["meta"])]
+  return "\n".join(lines)
+
+
+def main(argv) -> int:
+  import argparse
+  import platform
+  import tempfile
+
+  from experiments.results_io import command_line, write_results
   from sparsejax import cluster
-  rate = sys.argv[1] if len(sys.argv) > 1 else "unlimited"
-  sys.exit(cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
-                          devices_per_proc=1, bandwidth=None if rate == "unlimited" else rate,
-                          program=[sys.executable], extra_env={"GLOO_SOCKET_IFNAME": "eth0"}))
-elif os.environ.get("TORCH") == "1":
-  torch_probe(int(os.environ.get("N", "931840")))
-else:
-  jax_probe()
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rate", default="unlimited", help='"unlimited" or a tc rate (200mbit)')
+  ap.add_argument("--runs", type=int, default=3, help="process runs of each runtime")
+  ap.add_argument("--parts", type=int, default=5, help="interleaved rounds of the parts")
+  ap.add_argument("--out", required=True, help="results JSON (a markdown table beside it)")
+  args = ap.parse_args(argv)
+  if args.runs < 1 or args.parts < 1:
+    ap.error(f"--runs and --parts must be >= 1, got {args.runs} and {args.parts}")
+  results = {"jax": [], "torch": [], "meta": {
+      "rate": args.rate, "machine": platform.machine(), "cpus": os.cpu_count(),
+      "date": time.strftime("%Y-%m-%d"),
+      "command": command_line("experiments/probe_dense_exchange.py", argv)}}
+  for _ in range(args.runs):  # the runtimes alternated
+    for runtime in ("jax", "torch"):
+      with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = {"GLOO_SOCKET_IFNAME": "eth0", "PROBE_OUT": f.name, "PARTS": str(args.parts),
+               "TORCH": str(int(runtime == "torch")),
+               "N": str(results["jax"][-1]["n"] if results["jax"] else 0)}
+        rc = cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
+                            devices_per_proc=1, program=[sys.executable], extra_env=env,
+                            bandwidth=None if args.rate == "unlimited" else args.rate)
+        if rc:
+          raise SystemExit(f"the {runtime} probe failed (exit {rc})")
+        results[runtime].append(json.load(f))
+  text = table(results)
+  print(text)
+  write_results(args.out, results, text)
+  return 0
+
+
+if __name__ == "__main__":
+  if "SPARSEJAX_PROCESS_ID" not in os.environ:  # the driver
+    sys.exit(main(sys.argv[1:]))
+  elif os.environ.get("TORCH") == "1":  # a worker (one per node)
+    torch_probe(int(os.environ["N"]))  # the JAX run's gradient size
+  else:
+    jax_probe()

@@ -38,6 +38,7 @@ def auto_config(**changes):
   config.checkpoint_every_steps = 10
   config.compression.algorithm = "auto"
   config.compression.warmup_epochs = 0.5
+  config.compression.auto_probe_budget = 0.0  # measured every auto_every_steps exactly
   return override(config, changes)
 
 
@@ -171,6 +172,31 @@ def test_measuring_is_read_from_the_algorithm_and_the_schedule():
   assert not auto.measuring(c)
 
 
+def test_probe_interval_stretches_the_cadence_to_the_budget():
+  assert auto.probe_interval(10, 0.1, 0.14, 0.0) == 10  # no budget: every 10 steps
+  assert auto.probe_interval(10, 0.001, 0.14, 0.02) == 10  # cheap probes: every 10
+  # 0.1 s of probes within 2% of the steps between: 36 steps of 0.14 s, so every 40
+  assert auto.probe_interval(10, 0.1, 0.14, 0.02) == 40
+  assert 0.1 <= 0.02 * 0.14 * 40 and 0.1 > 0.02 * 0.14 * 30
+  assert auto.probe_interval(7, 0.3, 0.05, 0.01) == 7 * math.ceil(0.3 / (0.01 * 0.05 * 7))
+  assert auto.probe_interval(0, 0.1, 0.14, 0.02) == 0  # only at the start stays so
+
+
+def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
+  """Under a budget, the next measurement waits for `next_step`, set from the probes' measured
+  time and the chosen form's step: at 0.01% of the run no 11-step run can carry a second one
+  (it would at every 5 steps without the budget: steps 0, 5, 10)."""
+  summary = train_and_evaluate(auto_config(**{
+      "compression.auto_every_steps": 5, "compression.auto_probe_budget": 1e-4,
+      "num_epochs": 1.0}), str(tmp_path), progress=False)
+  choices = summary["exchange_choices"]
+  assert [c["step"] for c in choices] == [0], choices
+  c = choices[0]
+  step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}[c["form"]] / 1e3
+  assert c["probe_ms"] > 0 and c["next_step"] == auto.probe_interval(
+      5, c["probe_ms"] / 1e3, step_s, 1e-4) > 11
+
+
 def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tmp_path):
   """((0, "dense"), (7, "measured")): dense to step 7 whatever the link (1-bit Adam's start),
   the first measurement at 7, then every `auto_every_steps`."""
@@ -220,6 +246,7 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
           "--no-progress", "--set", "mesh.local=1", "--set", "mesh.num_devices=2",
           "--set", "batch_size=64", "--set", "num_epochs=3", "--set", "compression.algorithm=auto",
           "--set", "compression.auto_every_steps=20", "--set", "compression.auto_step_factor=3.0",
+          "--set", "compression.auto_probe_budget=0",
           "--set", "eval_every_steps=0",
           "--set", "checkpoint_every_steps=0"]
   out, result = io.StringIO(), {}

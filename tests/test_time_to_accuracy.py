@@ -166,7 +166,7 @@ def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
   or above the target; no sweep (the runs are timed end to end)."""
   need_root("study")
   out = tmp_path / "tta.json"
-  system = "auto-0.01-mc+compression.auto_every_steps=5"
+  system = "auto-0.01-mc+compression.auto_every_steps=5+compression.auto_probe_budget=0"
   assert tta.main(["--quick", "--systems", f"dense,{system}", "--phases", "runs",
                    "--link-change", "20mbit@0.2", "--stop-at-target",
                    "--out", str(out)]) == 0

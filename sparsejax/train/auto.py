@@ -4,7 +4,8 @@ The compressor is `compression.auto_sparse` built with its dense form (`topk_all
 dense_level=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
 residual). `AutoExchange` picks the form before a step, at the first step and every
 `auto_every_steps` steps after, from what it measures then (every process the same probes, each
-figure the slowest process's, so all processes choose alike):
+figure the slowest process's, so all processes choose alike; where those probes would take
+more than `auto_probe_budget` of the run's time at that cadence, less often: `probe_interval`):
 
   link     an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
            that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
@@ -49,9 +50,8 @@ from sparsejax import comm, cost
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "scheduled", "measuring",
-           "AutoExchange",
-           "FORMS"]
+__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "probe_interval", "scheduled",
+           "measuring", "AutoExchange", "FORMS"]
 
 FORMS = ("dense", "sparse")
 PROBE_SMALL = 1024  # floats per worker in the small link probe (4 KiB)
@@ -118,6 +118,16 @@ def choose(step_s: dict[str, float], step_factor: float, current: str | None,
   return best if to_target[best] < (1.0 - margin) * to_target[current] else current
 
 
+def probe_interval(every: int, probe_s: float, step_s: float, budget: float) -> int:
+  """Steps to the next measurement: `every`, or the least multiple of it over which a
+  measurement's `probe_s` seconds stay within `budget` of the steps' time (`step_s` each;
+  budget 0: `every`). A measurement at 2 Gbit/s takes about 0.1 s: every 10 steps of a
+  0.14 s step that is 7% of the run."""
+  if not budget or not every:
+    return every
+  return every * max(1, math.ceil(probe_s / (budget * step_s * every)))
+
+
 def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
   """The form `schedule` ((first_step, form), ...) gives `step` ("measured": the measured one)."""
   form = schedule[0][1]
@@ -161,7 +171,8 @@ def large_probe_size(shard: int, target: float) -> int:
   return large
 
 
-def _probe_link(mesh: Any, shard: int, prior: Link | None = None) -> tuple[Link, Link]:
+def _probe_link(mesh: Any, shard: int, prior: Link | None = None
+                ) -> tuple[Link, Link, float]:
   """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
   is fast enough that 64 KiB would not tell it from the fixed cost, at about the size that takes
   `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size) by `prior`,
@@ -169,10 +180,11 @@ def _probe_link(mesh: Any, shard: int, prior: Link | None = None) -> tuple[Link,
   first use is untimed (compilation). (The small probes alone overrate a shaped link: they fit
   in its token bucket's burst, and a large probe sized by them ran at the whole shard, about
   0.2 s a measurement at 500 Mbit/s.) Returns (the link, the guide for the next measurement:
-  this fit where it had a large probe, else `prior`)."""
+  this fit where it had a large probe, else `prior`, the seconds its timed calls took: what a
+  measurement costs once its sizes are compiled)."""
   nodes, local = mesh.shape["node"], mesh.shape["local"]
   if nodes == 1:
-    return Link(0.0, math.inf), Link(0.0, math.inf)
+    return Link(0.0, math.inf), Link(0.0, math.inf), 0.0
   fn = _node_psum(mesh)
   sharding = jax.sharding.NamedSharding(mesh, P(WORKERS))
 
@@ -192,11 +204,11 @@ def _probe_link(mesh: Any, shard: int, prior: Link | None = None) -> tuple[Link,
   large = large_probe_size(shard, PROBE_LARGE_S * guide.bytes_per_s / link_bytes(1))
   if large <= 2 * sizes[-1]:
     link = fit_link([link_bytes(s) for s in sizes], times)
-    return link, prior or link
+    return link, prior or link, PROBE_REPS * sum(times)
   sizes.append(large)
   times.append(seconds(large))
   link = fit_link([link_bytes(s) for s in sizes], times)
-  return link, link
+  return link, link, PROBE_REPS * sum(times)
 
 
 _PROBED: set[tuple[Any, int]] = set()  # (mesh, floats per worker) the link probe has compiled
@@ -265,6 +277,7 @@ class AutoExchange:
     self._compute = step_lib.jit_compute_step(setup, state_like)
     self._first: Measurement | None = None  # this process's first measurement
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
+    self.probe_s = 0.0  # the last link probes' timed calls, seconds (the slowest process's)
     self.lead = jax.process_index() == 0
 
   @property
@@ -290,14 +303,25 @@ class AutoExchange:
     if any(first == step for first, _ in c.auto_schedule) or last is None:
       return last != step
     return (self._scheduled(step) == "measured" and bool(c.auto_every_steps)
-            and step % c.auto_every_steps == 0 and last != step)
+            and step % c.auto_every_steps == 0 and last != step
+            and step >= self.history[-1].get("next_step", 0))
+
+  def _next(self, step: int, step_s: float) -> int:
+    """The step of the next measurement after one at `step`: the cadence's k-th point after
+    it, k the budget's multiple of `auto_every_steps` (`probe_interval`; 1 without a budget)."""
+    c = self.compression
+    every = c.auto_every_steps
+    if not every:
+      return step + 1
+    k = probe_interval(every, self.probe_s, step_s, c.auto_probe_budget) // every
+    return (step // every + k) * every
 
   def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, compute and local-work probes (each the slowest process's); after this
     process's first measurement the link alone (compute and selection do not change with it,
     and the compute pass is the dearest probe: a step's forward and backward, four times)."""
     # (the guide is the same on every process: fitted from the slowest times)
-    link, self._link = _probe_link(self.setup.mesh, self.shard, self._link)
+    link, self._link, self.probe_s = _probe_link(self.setup.mesh, self.shard, self._link)
     if self._first is None:
       compute, select = _slowest([
           _timed(self._compute, state, *batch),
@@ -318,11 +342,12 @@ class AutoExchange:
       m = self.measure(state, batch)
       step_s = predict(m, algorithm=c.auto_sparse, n=self.n, density=c.density,
                        nodes=self.nodes, local=self.local)
-      entry.update(form=choose(step_s, c.auto_step_factor, self.form, c.auto_margin),
-                   why="measured", link_MBps=m.link.bytes_per_s / 1e6,
+      form = choose(step_s, c.auto_step_factor, self.form, c.auto_margin)
+      entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, compute_ms=1e3 * m.compute_s,
                    select_ms=1e3 * m.select_s, dense_step_ms=1e3 * step_s["dense"],
-                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=c.auto_step_factor)
+                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=c.auto_step_factor,
+                   probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
     self.history.append(entry)
     if self.lead:
       print(describe(entry, c), flush=True)
@@ -341,4 +366,5 @@ def describe(entry: dict[str, Any], compression: Any) -> str:
       f"{entry['compute_ms']:.1f} ms, selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
       f"{entry['step_factor']:g} steps (assumed: auto_step_factor) = "
-      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}")
+      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
+      f"probes {entry['probe_ms']:.0f} ms, next due at step {entry['next_step']}")

@@ -138,6 +138,9 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "auto_step_factor": 1.1,
       "auto_every_steps": 10,
       "auto_margin": 0.05,
+      # ... and less often where a measurement's link probes would take more than this share
+      # of the steps between (0: every auto_every_steps steps exactly)
+      "auto_probe_budget": 0.02,
       "auto_schedule": (),
       # a one-step pipelined exchange (sparsejax.train.pipelined): each step computes its
       # gradient while the previous step's is exchanged and applied (staleness 1). "" off;
@@ -275,6 +278,7 @@ def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], N
   need(c.auto_step_factor > 0, "compression.auto_step_factor", "> 0")
   need(c.auto_every_steps >= 0, "compression.auto_every_steps", ">= 0")
   need(0 <= c.auto_margin < 1, "compression.auto_margin", "in [0, 1)")
+  need(0 <= c.auto_probe_budget < 1, "compression.auto_probe_budget", "in [0, 1)")
   entries = c.auto_schedule
   ok = all(isinstance(e, tuple | list) and len(e) == 2 and isinstance(e[0], int)
            and not isinstance(e[0], bool) and e[1] in AUTO_FORMS for e in entries)
