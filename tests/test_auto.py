@@ -175,9 +175,9 @@ def test_measuring_is_read_from_the_algorithm_and_the_schedule():
 def test_probe_interval_stretches_the_cadence_to_the_budget():
   assert auto.probe_interval(10, 0.1, 0.14, 0.0) == 10  # no budget: every 10 steps
   assert auto.probe_interval(10, 0.001, 0.14, 0.02) == 10  # cheap probes: every 10
-  # 0.1 s of probes within 2% of the steps between: 36 steps of 0.14 s, so every 40
+  # 0.1 s of probes within 2% of the steps between: 0.1 / (0.02 x 0.14 s) = 35.7 steps, so the
+  # least multiple of 10 over it, 40
   assert auto.probe_interval(10, 0.1, 0.14, 0.02) == 40
-  assert 0.1 <= 0.02 * 0.14 * 40 and 0.1 > 0.02 * 0.14 * 30
   assert auto.probe_interval(7, 0.3, 0.05, 0.01) == 7 * math.ceil(0.3 / (0.01 * 0.05 * 7))
   assert auto.probe_interval(0, 0.1, 0.14, 0.02) == 0  # only at the start stays so
 
