@@ -48,7 +48,8 @@ def timed(fn, reps=REPS, warm=3):
 
 
 def pin():
-  os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+  from experiments.time_to_accuracy import pin_to_core  # every thread, as the study pins
+  pin_to_core(rank)
 
 
 def report(figures):
