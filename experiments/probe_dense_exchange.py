@@ -307,9 +307,13 @@ def main(argv) -> int:
                "PARTS": str(args.parts),
                "TORCH": str(int(runtime == "torch")),
                "N": str(results["jax"][-1]["n"] if results["jax"] else 0)}
-        rc = cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
-                            devices_per_proc=1, program=[sys.executable], extra_env=env,
-                            bandwidth=None if args.rate == "unlimited" else args.rate)
+        # a namespace per node at every rate (launch builds none for an unlimited link: the
+        # processes would talk over loopback, gloo unbound to a node's address)
+        rate = None if args.rate == "unlimited" else cluster.parse_rate(args.rate)
+        with cluster.EmulatedCluster(2, rate) as c:
+          rc = cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
+                              devices_per_proc=1, program=[sys.executable], extra_env=env,
+                              cluster=c)
         if rc:
           raise SystemExit(f"the {runtime} probe failed (exit {rc})")
         results[runtime].append(json.load(f))

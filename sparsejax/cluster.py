@@ -72,10 +72,10 @@ _GLOO_THREADS: set[int] = set()  # the threads gloo's TCP collectives started (b
 
 def yield_gloo_threads() -> int:
   """Puts the threads this process's gloo collectives started in SCHED_IDLE, as `bind_gloo`
-  does where the process is on one core when XLA starts: for a process pinned after that. On
-  the study's Transformer step it made the all-reduce alone faster but the whole step slower
-  and less steady (docs/time-to-accuracy-lm.md), so the study does not call it. Returns how
-  many threads (0 before the CPU backend starts, or without `bind_gloo`)."""
+  does where the process is on one core when XLA starts: for a process pinned after that
+  (`experiments/probe_dense_exchange.py --pin gloo-idle`; the study does not call it, whether it
+  helps a whole step there is open: docs/overlap.md). Returns how many threads (0 before the
+  CPU backend starts, or where `bind_gloo` did not build the collectives)."""
   _yield_threads(_GLOO_THREADS)
   return len(_GLOO_THREADS)
 
