@@ -18,9 +18,11 @@ one JSON line of medians (ms per call):
             (PyTorch, gloo), and as 2 and 4 chunks (DDP's buckets)
 
 Root (a network namespace per node). The driver alternates JAX and PyTorch process runs and
-writes JSON and a table:
+writes JSON and a table; `--pin` says how each process keeps to its core once XLA has started
+(every thread, as the study pins; the calling thread only, as the study did before 2026-12-02;
+every thread with gloo's poller in SCHED_IDLE):
 
-  python experiments/probe_dense_exchange.py --runs 3 --parts 5 \\
+  python experiments/probe_dense_exchange.py --runs 3 --parts 5 [--pin every-thread] \\
     --out experiments/results/probe_dense_exchange_lm.json
 """
 
@@ -47,8 +49,22 @@ def timed(fn, reps=REPS, warm=3):
   return round(1e3 * statistics.median(out), 2)
 
 
+PINS = ("every-thread", "main-thread", "gloo-idle")
+
+
 def pin():
-  os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+  """This node's core, after XLA starts, as $PIN says: every thread (as the study pins), the
+  calling thread only (the study before 2026-12-02: XLA's executor threads kept every core),
+  or every thread with gloo's poller in SCHED_IDLE."""
+  how = os.environ.get("PIN", PINS[0])
+  if how == "main-thread":
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
+    return
+  from experiments.time_to_accuracy import pin_to_core
+  pin_to_core(rank)
+  if how == "gloo-idle":
+    from sparsejax import cluster
+    cluster.yield_gloo_threads()
 
 
 def report(figures):
@@ -243,8 +259,9 @@ def table(results: dict) -> str:
   def row(name, values):
     return f"| {name} | {spread(values, 1)} |"
   lines = ["Where the sparsejax dense step's time goes beyond the forward and backward pass: the "
-           "Transformer LM on 2 emulated nodes (one process pinned to one core each, unlimited "
-           f"link), ms, min / median / max over {len(jax_runs)} process runs (and "
+           "Transformer LM on 2 emulated nodes (one process pinned to one core each, "
+           f"{results['meta'].get('pin', 'main-thread')} once XLA started, unlimited link), "
+           f"ms, min / median / max over {len(jax_runs)} process runs (and "
            f"{len(torch_runs)} of PyTorch's):", "", "| part | ms |", "|---|---:|",
            row("forward and backward alone", [r["compute"] for r in jax_runs]),
            row("the compiled train step", [r["step_fn"] for r in jax_runs]),
@@ -273,23 +290,30 @@ def main(argv) -> int:
   ap.add_argument("--rate", default="unlimited", help='"unlimited" or a tc rate (200mbit)')
   ap.add_argument("--runs", type=int, default=3, help="process runs of each runtime")
   ap.add_argument("--parts", type=int, default=5, help="interleaved rounds of the parts")
+  ap.add_argument("--pin", default=PINS[0], choices=PINS,
+                  help="how each node's process keeps to its core once XLA has started")
   ap.add_argument("--out", required=True, help="results JSON (a markdown table beside it)")
   args = ap.parse_args(argv)
   if args.runs < 1 or args.parts < 1:
     ap.error(f"--runs and --parts must be >= 1, got {args.runs} and {args.parts}")
   results = {"jax": [], "torch": [], "meta": {
-      "rate": args.rate, "machine": platform.machine(), "cpus": os.cpu_count(),
+      "rate": args.rate, "pin": args.pin, "machine": platform.machine(), "cpus": os.cpu_count(),
       "date": time.strftime("%Y-%m-%d"),
       "command": command_line("experiments/probe_dense_exchange.py", argv)}}
   for _ in range(args.runs):  # the runtimes alternated
     for runtime in ("jax", "torch"):
       with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        env = {"GLOO_SOCKET_IFNAME": "eth0", "PROBE_OUT": f.name, "PARTS": str(args.parts),
+        env = {"PIN": args.pin, "GLOO_SOCKET_IFNAME": "eth0", "PROBE_OUT": f.name,
+               "PARTS": str(args.parts),
                "TORCH": str(int(runtime == "torch")),
                "N": str(results["jax"][-1]["n"] if results["jax"] else 0)}
-        rc = cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
-                            devices_per_proc=1, program=[sys.executable], extra_env=env,
-                            bandwidth=None if args.rate == "unlimited" else args.rate)
+        # a namespace per node at every rate (launch builds none for an unlimited link: the
+        # processes would talk over loopback, gloo unbound to a node's address)
+        rate = None if args.rate == "unlimited" else cluster.parse_rate(args.rate)
+        with cluster.EmulatedCluster(2, rate) as c:
+          rc = cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
+                              devices_per_proc=1, program=[sys.executable], extra_env=env,
+                              cluster=c)
         if rc:
           raise SystemExit(f"the {runtime} probe failed (exit {rc})")
         results[runtime].append(json.load(f))

@@ -88,11 +88,21 @@ from experiments.tta_systems import (  # noqa: E402
   system_spec,
 )
 
+# the parity phase's steps: warm-up, then at least this many timed (each process)
+PARITY_WARMUP, PARITY_REPS = 3, 10
+
 
 def pin_to_core(index: int) -> None:
-  """Keeps this process (and the threads it starts) on one core."""
+  """Keeps this process on one core: every thread it has now and, by inheritance, those it
+  starts. (`os.sched_setaffinity(0, ...)` alone moves only the calling thread: a process pinned
+  that way after XLA started kept XLA's executor threads on every core.)"""
   cores = sorted(os.sched_getaffinity(0))
-  os.sched_setaffinity(0, {cores[index % len(cores)]})
+  core = {cores[index % len(cores)]}
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      os.sched_setaffinity(int(tid), core)
+    except OSError:  # the thread has ended
+      pass
 
 
 def _barrier_jax(name: str) -> None:
@@ -114,8 +124,8 @@ def _worker_setup(args):
     jax.devices()
     # pinned once XLA has started: its executor pool is sized by the cores the process may use
     # when it starts, and one thread would run the pipelined exchange's two programs one after
-    # the other (the gloo collective blocks its thread). Unpipelined steps time the same
-    # either way (dense at 200 Mbit/s: 282 vs 284 ms, docs/overlap.md).
+    # the other (the gloo collective blocks its thread). Every thread is pinned: the pool's
+    # threads share the node's one core.
     pin_to_core(rank)
     run: Any = JaxRun(config, (config.mesh.nodes, config.mesh.local))
   else:
@@ -232,8 +242,10 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
 
 
 def parity_worker(args) -> None:
-  """Compute only: one process on one core, the node's share of the batch, no communication."""
-  pin_to_core(0)
+  """Compute only: the node's share of the batch, no communication, pinned to its core as the
+  cluster's workers are (JAX after XLA starts), while the other node's process does the same
+  on the other core (a start barrier in `--parity-dir`): the machine loaded as in the runs."""
+  node = args.parity_node
   sets = json.loads(args.sets)
   base = load_task(args.config, sets)
   per_process = [f"batch_size={base.batch_size // NODES}", "mesh.nodes=1",
@@ -242,21 +254,39 @@ def parity_worker(args) -> None:
   if args.system == "jax":
     import jax
     jax.config.update("jax_num_cpu_devices", config.mesh.local)
+    jax.devices()
+    pin_to_core(node)
     run: Any = JaxRun(config, (1, config.mesh.local))
   else:
+    pin_to_core(node)
     run = TorchRun(config, 0, 1, False, distributed=False)
+  for i in range(PARITY_WARMUP):
+    run.step(i)
+    run.wait()
+  _file_barrier(args.parity_dir, node, NODES)
   times = []
-  for i in range(args.warmup + args.reps):
+  for i in range(PARITY_WARMUP, PARITY_WARMUP + max(args.reps, PARITY_REPS)):
     t0 = time.perf_counter()
     run.step(i)
     run.wait()
-    if i >= args.warmup:
-      times.append(time.perf_counter() - t0)
+    times.append(time.perf_counter() - t0)
   with open(args.worker_out, "w") as f:
-    json.dump({"runtime": args.system, "step_s": statistics.median(times),
+    json.dump({"runtime": args.system, "node": node, "step_s": statistics.median(times),
                "batch_per_process": config.batch_size,
-               "layout": (f"1 process, {config.mesh.local} CPU devices" if args.system == "jax"
-                          else "1 process, 1 thread")}, f)
+               "layout": (f"{NODES} processes at once, one pinned to each core, "
+                          f"{config.mesh.local} CPU devices each" if args.system == "jax"
+                          else f"{NODES} processes at once, one pinned to each core, "
+                          "1 thread each")}, f)
+
+
+def _file_barrier(directory: str, index: int, count: int, timeout_s: float = 600) -> None:
+  """Waits until `count` processes have each created their file in `directory`."""
+  open(os.path.join(directory, f"ready{index}"), "w").close()
+  deadline = time.monotonic() + timeout_s
+  while sum(n.startswith("ready") for n in os.listdir(directory)) < count:
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"parity barrier: fewer than {count} processes ready in {timeout_s} s")
+    time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -322,27 +352,45 @@ def _run_with_retry(c, system: str, seed: int, args, extra: list[str], log,
 
 
 def run_parity(args, log) -> list[dict]:
-  """Alternated JAX / PyTorch compute-only process runs; a ratio per round."""
+  """Alternated JAX / PyTorch compute-only rounds, each round one process per node at once; a
+  runtime's step: the median of its nodes' medians; a ratio per round."""
   import tempfile
   rounds = []
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   for r in range(args.parity_runs):
     row = {"round": r}
     for runtime in ("jax", "torch"):
-      with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
-               "--config", args.config, "--sets", json.dumps(args.sets), "--worker-out", f.name,
-               "--warmup", str(args.warmup), "--reps", str(args.reps)]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        with _exclusive(args.lock):
-          subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT,
-                         timeout=1200)
-        with open(f.name) as g:
-          row[runtime] = json.load(g)
+      with tempfile.TemporaryDirectory() as d, _exclusive(args.lock):
+        procs = [subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
+             "--config", args.config, "--sets", json.dumps(args.sets),
+             "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
+             "--parity-node", str(node), "--reps", str(args.reps)],
+            env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(NODES)]
+        codes = [_wait(p, 1200) for p in procs]
+        if any(codes):
+          raise RuntimeError(f"parity round {r}: {runtime} processes exited {codes}")
+        nodes = []
+        for node in range(NODES):
+          with open(os.path.join(d, f"node{node}.json")) as g:
+            nodes.append(json.load(g))
+      row[runtime] = {**nodes[0], "step_s": statistics.median(n["step_s"] for n in nodes),
+                      "nodes_step_s": [n["step_s"] for n in nodes]}
     row["jax_over_torch"] = row["jax"]["step_s"] / row["torch"]["step_s"]
     print(f"parity round {r}: jax {row['jax']['step_s'] * 1e3:.1f} ms, torch "
           f"{row['torch']['step_s'] * 1e3:.1f} ms, ratio {row['jax_over_torch']:.2f}", flush=True)
     rounds.append(row)
   return rounds
+
+
+def _wait(proc, timeout_s: float) -> int:
+  """`proc`'s exit code; killed (and -9) after `timeout_s`."""
+  try:
+    return proc.wait(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    return -9
 
 
 # ----------------------------------------------------------------------------- main
@@ -386,6 +434,8 @@ def main(argv=None) -> int:
   ap.add_argument("--cluster-prefix", help=argparse.SUPPRESS)
   ap.add_argument("--link-change-at", dest="link_change_json", help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+  ap.add_argument("--parity-dir", help=argparse.SUPPRESS)
+  ap.add_argument("--parity-node", type=int, default=0, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.argv = list(sys.argv[1:] if argv is None else argv)
   args.config = os.path.abspath(args.config)  # results store it relative to the checkout

@@ -122,7 +122,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
     jax_ms = [r["jax"]["step_s"] * 1e3 for r in results["parity"]]
     torch_ms = [r["torch"]["step_s"] * 1e3 for r in results["parity"]]
     p = results["parity"][0]
-    lines += ["Compute-only step, one process on one core, no communication "
+    lines += ["Compute-only step, each node's process on its own core at once, no communication "
               f"(batch {p['jax']['batch_per_process']} per process), min / median / max over "
               f"{len(ratios)} alternated process runs:", "",
               "| runtime | layout | ms per step | JAX / PyTorch |", "|---|---|---:|---:|",

@@ -33,8 +33,8 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ENV", "initialize", "bind_gloo", "parse_rate", "parse_nodes", "EmulatedCluster",
-           "set_link_rate", "link_sent_bytes", "launch"]
+__all__ = ["ENV", "initialize", "bind_gloo", "yield_gloo_threads", "parse_rate", "parse_nodes",
+           "EmulatedCluster", "set_link_rate", "link_sent_bytes", "launch"]
 
 # The launcher's environment for each process.
 ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
@@ -59,11 +59,25 @@ def bind_gloo(hostname: str) -> None:
     before = _thread_ids()
     collectives = _jax.make_gloo_tcp_collectives(
         distributed_client=distributed.global_state.client, hostname=hostname)
+    _GLOO_THREADS.update(_thread_ids() - before)
     if len(os.sched_getaffinity(0)) == 1:
-      _yield_threads(_thread_ids() - before)
+      _yield_threads(_GLOO_THREADS)
     return xb.make_cpu_client(collectives=collectives)
 
   xb.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+
+
+_GLOO_THREADS: set[int] = set()  # the threads gloo's TCP collectives started (bind_gloo)
+
+
+def yield_gloo_threads() -> int:
+  """Puts the threads this process's gloo collectives started in SCHED_IDLE, as `bind_gloo`
+  does where the process is on one core when XLA starts: for a process pinned after that
+  (`experiments/probe_dense_exchange.py --pin gloo-idle`; the study does not call it, whether it
+  helps a whole step there is open: docs/overlap.md). Returns how many threads (0 before the
+  CPU backend starts, or where `bind_gloo` did not build the collectives)."""
+  _yield_threads(_GLOO_THREADS)
+  return len(_GLOO_THREADS)
 
 
 def _thread_ids() -> set[int]:

@@ -170,13 +170,19 @@ x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("all")),
 total = float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x))
 idle = sum(os.sched_getscheduler(int(t)) == os.SCHED_IDLE for t in os.listdir("/proc/self/task"))
 print(f"rank {rank} cores {len(os.sched_getaffinity(0))} sum {total:g} idle threads {idle}")
+if rank == 1:  # a process pinned (or not) after XLA started yields them on request
+  n = cluster.yield_gloo_threads()
+  idle = sum(os.sched_getscheduler(int(t)) == os.SCHED_IDLE
+             for t in os.listdir("/proc/self/task"))
+  print(f"rank 1 yielded {n} idle threads {idle}")
 """
 
 
 def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
   """On a process pinned to one core, gloo's TCP loop thread (it polls through a collective and
   held the core for a scheduler tick, ~4 ms, per collective) runs in SCHED_IDLE; a process with
-  more than one core is left as it is. The all-reduce still adds up."""
+  more than one core is left as it is, until it asks (`yield_gloo_threads`). The all-reduce
+  still adds up."""
   need_root("tests")
   if len(os.sched_getaffinity(0)) < 2:
     pytest.skip("needs 2 cores (one process pinned, one not): run on 2 or more, e.g. "
@@ -194,6 +200,8 @@ def test_gloo_poller_yields_on_a_process_pinned_to_one_core(tmp_path):
   assert pinned and free, text[-3000:]
   assert int(pinned.group(1)) >= 1
   assert int(free.group(1)) == 0
+  asked = re.search(r"rank 1 yielded (\d+) idle threads (\d+)", text)
+  assert asked and int(asked.group(1)) >= 1 and int(asked.group(2)) == int(asked.group(1))
   assert _namespaces_left(text) == []
 
 
