@@ -24,9 +24,9 @@ on both ends of each node's link), one process per node pinned to its own core (
 fast intra-node axis stays inside the process), each PyTorch process one thread with the node's
 share of the batch. Phases:
 
-  parity  compute only, one process on one core, no cluster: the sparsejax trainer's step on a
-          (1, local) mesh vs PyTorch's step, same model and per-process batch; alternated
-          process runs, the ratio per round.
+  parity  compute only, no cluster: each node's process on its own core at once (pinned as the
+          runs pin them), the sparsejax trainer's step on a (1, local) mesh vs PyTorch's step,
+          same model and per-process batch; alternated rounds, the ratio per round.
   runs    one process run per system and seed, in two parts:
           train: the whole recipe on the cluster at `--headline` bandwidth, evaluating every
           `eval_every_steps` with the clock stopped (state synchronised first): steps and train
