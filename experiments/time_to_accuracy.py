@@ -367,7 +367,7 @@ def run_parity(args, log) -> list[dict]:
              "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
              "--parity-node", str(node), "--reps", str(args.reps)],
             env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(NODES)]
-        codes = [_wait(p, 1200) for p in procs]
+        codes = _wait_all(procs, 1200)
         if any(codes):
           raise RuntimeError(f"parity round {r}: {runtime} processes exited {codes}")
         nodes = []
@@ -383,14 +383,20 @@ def run_parity(args, log) -> list[dict]:
   return rounds
 
 
-def _wait(proc, timeout_s: float) -> int:
-  """`proc`'s exit code; killed (and -9) after `timeout_s`."""
-  try:
-    return proc.wait(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
-    return -9
+def _wait_all(procs: list, timeout_s: float) -> list[int]:
+  """The processes' exit codes once all have ended; where one fails, or `timeout_s` passes,
+  the others are killed at once (-9) rather than left waiting at the barrier for it."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    codes = [p.poll() for p in procs]
+    if all(c is not None for c in codes):
+      return codes
+    if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+      return [p.wait() for p in procs]
+    time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- main

@@ -89,6 +89,23 @@ def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
   assert "torch-ddp" in got["analysis"]
 
 
+def test_a_failed_parity_process_stops_its_sibling_at_once():
+  """A node's compute-only process that fails ends the round now: its sibling, which would
+  wait at the start barrier for it, is killed; codes as the processes gave them."""
+  import subprocess
+  import sys
+  import time
+  fail = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+  wait = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  t0 = time.monotonic()
+  assert tta._wait_all([fail, wait], 120) == [3, -9]
+  assert time.monotonic() - t0 < 30
+  ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+  assert tta._wait_all(ok, 120) == [0, 0]
+  slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  assert tta._wait_all([slow], 0.5) == [-9]
+
+
 def test_pin_to_core_moves_every_thread_of_the_process():
   """Threads started before the pin (as XLA's executor threads are) are moved too, not only
   the calling thread; threads started after inherit the core."""
