@@ -116,6 +116,9 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # (compression.pipeline_predict "local")
     "dense-pipe-l": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
                              "compression.pipeline_predict": "local"}),
+    "hitopk-0.05-pipe-l": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.05,
+                                   "compression.pipeline": "device",
+                                   "compression.pipeline_predict": "local"}),
     "hitopk-0.05-w0.5-pipe-p": ("jax", {"compression.algorithm": "hitopk",
                                         "compression.density": 0.05,
                                         "compression.warmup_epochs": 0.5,

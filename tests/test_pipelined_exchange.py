@@ -179,11 +179,14 @@ def test_both_placements_compute_the_same_run():
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
-def test_a_resumed_pipelined_run_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("predict", ["", "local"])
+def test_a_resumed_pipelined_run_equals_the_uninterrupted_run(tmp_path, predict):
   """The pending gradient travels in the checkpoint: killed after step 10, resumed, the run
-  logs exactly what the uninterrupted one did."""
+  logs exactly what the uninterrupted one did (with "local" prediction too: its guess is made
+  from the pending gradient and the optimizer's state, both in the checkpoint)."""
   config = small_config(**{"model.name": "mlp", "model.hidden": (48,),
                            "compression.pipeline": "program",
+                           "compression.pipeline_predict": predict,
                            "data.resize_schedule": ((0, 8),)})
   whole = str(tmp_path / "whole")
   summary = train_and_evaluate(config, whole, progress=False)
