@@ -191,7 +191,8 @@ class Pipeline:
     return _pending(self.setup, params, batch_stats, step, inputs, labels, update, shift)
 
   def _apply_body(self, state: TrainState, level: Any, advance: bool):
-    """The pending gradient applied; with `predict`, the update it made kept in the pending."""
+    """The pending gradient applied; with `predict` "last", the update it made kept in the
+    pending."""
     pending = state.pending
     new_state, metrics = step_lib.apply_gradient(
         self.setup, state, pending.grads[0], step_lib._first(pending.batch_stats), level,
