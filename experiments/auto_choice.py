@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--bandwidths", default="unlimited,1gbit,200mbit,50mbit")
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--epochs", type=float, default=0.05, help="each run's length (num_epochs)")
-  ap.add_argument("--out", required=True)
+  ap.add_argument("--out", type=results_io.json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON", help="no runs: the tables again from a "
                   "results file (written to --out's name)")
   args = ap.parse_args(argv)

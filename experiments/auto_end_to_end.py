@@ -42,6 +42,7 @@ from experiments import tta_analysis, tta_systems  # noqa: E402
 from experiments.results_io import (  # noqa: E402
   command_line,
   footer,
+  json_path,
   portable_path,
   resolve,
   spread,
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--bandwidths", required=True, help="where to train auto, each swept in "
                   "the reference")
   ap.add_argument("--seeds", type=int, default=3)
-  ap.add_argument("--out", required=True)
+  ap.add_argument("--out", type=json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON", help="no runs: auto's runs from this "
                   "file judged again against --reference (a reference moved into the checkout)")
   args = ap.parse_args(argv)

@@ -51,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/bench_comm.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 
 SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
          "tiny": 40_009}  # tiny: for the code path's test
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
   ap.add_argument("--mode", choices=("driver", "jax", "torch", "local"), default="driver",
                   help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-  ap.add_argument("--out")
+  ap.add_argument("--out", type=json_path)
   args = ap.parse_args(argv)
   if args.mode == "jax":
     jax_worker(args)

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 if not __package__:  # run as `python experiments/bench_failover.py`: import from this checkout
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
 
 TOKEN = "SPARSEJAX_FAILOVER_TOKEN"  # in the environment of one trial's processes
 MODES = {"launcher": 2.0, "self": 60.0}  # the launcher's grace between SIGTERM and SIGKILL
@@ -268,7 +268,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rate", default="1gbit", help="every node's link, each direction")
   ap.add_argument("--lock", help="a file to flock around each trial")
   ap.add_argument("--quick", action="store_true", help="a smoke run: 3 nodes, 1 run")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_failover.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "bench_failover.json"))
   ap.add_argument("--mode", default="driver", choices=("driver", "worker"), help=argparse.SUPPRESS)
   ap.add_argument("--seconds", type=float, default=300, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)

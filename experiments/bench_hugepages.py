@@ -35,7 +35,7 @@ import numpy as np
 if not __package__:  # run as `python experiments/bench_hugepages.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax import cpu_kernels  # noqa: E402
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparsejax",
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
   ap.add_argument("--mbytes", type=int, default=100, help="output size, MiB")
   ap.add_argument("--density", type=float, default=0.008, help="pairs per output value")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="experiments/results/bench_hugepages.json")
+  ap.add_argument("--out", type=json_path, default="experiments/results/bench_hugepages.json")
   ap.add_argument("--worker", help=argparse.SUPPRESS)  # JSON: {"libs": .., "out": ..}
   args = ap.parse_args(argv)
   if args.procs < 1 or args.runs < 1 or args.mbytes < 1 or not 0 < args.density <= 1:

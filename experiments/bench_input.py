@@ -48,7 +48,7 @@ import numpy as np
 if not __package__:  # run as `python experiments/bench_input.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax.data import RemoteSource, TieredCache
 from sparsejax.data import images as image_ops
 from sparsejax.data.imagenet import synthetic_jpeg
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                   default=[1000, 100_000])
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--open-probe", help=argparse.SUPPRESS)  # the child process of --open
-  ap.add_argument("--out")
+  ap.add_argument("--out", type=json_path)
   args = ap.parse_args(argv)
   if args.open_probe:
     print(json.dumps(open_probe(json.loads(args.open_probe), args.repeats)))

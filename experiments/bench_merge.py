@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/bench_merge.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(HERE))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 
 
 def time_merges(k: int, calls: int) -> float:
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
   ap.add_argument("--k", type=int, default=25_557)
   ap.add_argument("--procs", type=int, default=3)
   ap.add_argument("--calls", type=int, default=20)
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_merge.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "bench_merge.json"))
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.k < 1 or args.procs < 1 or args.calls < 1:

@@ -45,7 +45,7 @@ if not __package__:  # run as `python experiments/bench_optim.py`: import from t
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import param_trees  # noqa: E402
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax import cpu_kernels, hlo, optim  # noqa: E402
 
 LR, WD = 0.1, 1e-4
@@ -162,8 +162,9 @@ def main() -> None:
   ap.add_argument("--runs", type=int, default=7)
   ap.add_argument("--trees", default="resnet50,transformer_base")
   ap.add_argument("--optimizers", default="sgd,lars,lamb,adamw")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "bench_optim.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(os.path.dirname(__file__), "results",
+                                       "bench_optim.json"))
   args = ap.parse_args()
   trees = ["resnet50"] if args.quick else args.trees.split(",")
   runs = 3 if args.quick else args.runs

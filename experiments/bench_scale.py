@@ -59,7 +59,7 @@ if not __package__:  # run as `python experiments/bench_scale.py`: import from t
   sys.path.insert(0, ROOT)
 
 from experiments.bench_comm import SIZES, launch_workers  # noqa: E402
-from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
 
 ALGORITHMS = ("allgather", "gtopk", "dense")
 PHASES = ("select", "exchange", "apply", "full")
@@ -417,7 +417,8 @@ def main(argv=None) -> int:
   ap.add_argument("--run-timeout", type=int, default=900)
   ap.add_argument("--lock", help="a file to flock around each process run")
   ap.add_argument("--quick", action="store_true", help="CI smoke: 2 and 3 nodes, tiny buffer")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_scale.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "bench_scale.json"))
   ap.add_argument("--from-results", metavar="JSON", help="no runs: analyse a results file again")
   ap.add_argument("--mode", default="driver", choices=("driver", "worker"), help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)

@@ -35,7 +35,7 @@ import optax
 if not __package__:  # run as `python experiments/bench_step.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax import models
 from sparsejax.train import config as config_lib
 from sparsejax.train import make_mesh
@@ -109,8 +109,9 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--variants", default="optax,dense,hitopk-0.001")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "results", "bench_step.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "results", "bench_step.json"))
   args = ap.parse_args(argv)
   if args.quick:
     args.num_filters, args.batch, args.size, args.steps, args.warmup = 8, 8, 64, 3, 1

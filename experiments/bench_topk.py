@@ -38,7 +38,7 @@ from jax import lax
 if not __package__:  # run as `python experiments/bench_topk.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax import topk
 
 SIZES = (25_557_032, 110_000_000)
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
   ap.add_argument("--compaction", action="store_true")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-  ap.add_argument("--out", default="experiments/results/bench_topk.json")
+  ap.add_argument("--out", type=json_path, default="experiments/results/bench_topk.json")
   args = ap.parse_args(argv)
   raw = {"sizes": args.sizes, "densities": args.densities}
   try:

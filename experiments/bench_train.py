@@ -46,7 +46,7 @@ if not __package__:  # run as `python experiments/bench_train.py`: import from t
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 2
 DENSITY = 0.001
@@ -252,7 +252,8 @@ def main(argv=None) -> int:
                   help=argparse.SUPPRESS)
   ap.add_argument("--algorithm", default="dense", help=argparse.SUPPRESS)
   ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_train.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "bench_train.json"))
   args = ap.parse_args(argv)
   if args.mode == "jax":
     jax_worker(args)

@@ -59,7 +59,7 @@ if not __package__:  # run as `python experiments/convergence.py`: import from t
 
 import jax  # noqa: E402
 
-from experiments.results_io import command_line, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 from sparsejax.train.config import default_config  # noqa: E402
 
 # name -> compression overrides; the others keep the task's base (hitopk at 0.01, EF, warm-up)
@@ -317,7 +317,7 @@ def parse_args(argv: list[str] | None):
   p.add_argument("--collect", action="store_true",
                  help="train nothing: summarize the runs that finished in --workdir")
   p.add_argument("--workdir", default=os.path.join("runs", "convergence"))
-  p.add_argument("--out", default=os.path.join(HERE, "results", "convergence.json"))
+  p.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "convergence.json"))
   args = p.parse_args(argv)
   tasks = [t for t in args.tasks.split(",") if t]
   variants = ([v for v in args.variants.split(",") if v] or

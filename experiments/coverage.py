@@ -31,7 +31,14 @@ ROOT = os.path.dirname(HERE)
 if not __package__:
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, footer, portable_path, spread, write_results  # noqa: E402
+from experiments.results_io import (  # noqa: E402
+  command_line,
+  footer,
+  json_path,
+  portable_path,
+  spread,
+  write_results,
+)
 
 
 def leaf_names(layout, tree_like) -> list[str]:
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
   ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   ap.add_argument("--window", type=int, default=100)
   ap.add_argument("--steps", type=int, help="default: the whole recipe")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "coverage.json"))
+  ap.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "coverage.json"))
   args = ap.parse_args(argv)
   argv_list = list(sys.argv[1:] if argv is None else argv)
   if args.window < 1:

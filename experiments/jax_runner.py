@@ -41,11 +41,9 @@ class JaxRun:
     self.pipe = None
     if placement:  # the pipelined exchange (sparsejax.train.pipelined), compiled likewise
       self.state = pipelined.with_pending(self.setup, self.state, first)
-      self.pipe = pipelined.Pipeline(
-          self.setup, self.state, self.setup.density_level, self.total, placement,
-          compute_mesh, start=round(config.compression.pipeline_from_epochs
-                                    * self.data.steps_per_epoch),
-          predict=config.compression.pipeline_predict)
+      self.pipe = pipelined.from_config(config, self.setup, self.state,
+                                        steps_per_epoch=self.data.steps_per_epoch,
+                                        total_steps=self.total, compute_mesh=compute_mesh)
       self.pipe.compile(self.state, first, self.levels)
       self.auto, self.auto_measures, self.step_fns = None, False, {}
       self.eval_fn = jit_eval_step(self.setup, self.state)

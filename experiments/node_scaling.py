@@ -51,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/node_scaling.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(HERE))
 
-from experiments.results_io import command_line, portable_path, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, portable_path, spread, write_results  # noqa: E402
 from experiments.scaling_model import GPU_SOURCES, GPUS, SOURCES, gpu_cluster  # noqa: E402
 from sparsejax import cost  # noqa: E402
 
@@ -291,7 +291,8 @@ def main(argv=None) -> int:
   ap.add_argument("--scale", default=os.path.join(HERE, "results", "bench_scale.json"))
   ap.add_argument("--merge", default=os.path.join(HERE, "results", "bench_merge.json"))
   ap.add_argument("--fit-nodes", default="2,3,4,8")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "node_scaling.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "node_scaling.json"))
   args = ap.parse_args(argv)
   for flag, path in (("--scale", args.scale), ("--merge", args.merge)):
     if not os.path.exists(path):

@@ -43,7 +43,7 @@ if not __package__:  # run as `python experiments/preemption.py`: import from th
   sys.path.insert(0, ROOT)
 
 from experiments.bench_failover import TOKEN, TimedLog, _pids  # noqa: E402
-from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
 
 DEFAULT_SETS = ["batch_size=240", "checkpoint_every_steps=24", "log_every_steps=6",
                 "eval_every_steps=12"]
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
   ap.add_argument("--runs", type=int, default=3, help="pairs of runs (whole, lost)")
   ap.add_argument("--rate", default="1gbit")
   ap.add_argument("--quick", action="store_true", help="a smoke run: digits, 3 nodes, 1 pair")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "preemption.json"))
+  ap.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "preemption.json"))
   args = ap.parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
   args.config = os.path.abspath(args.config)

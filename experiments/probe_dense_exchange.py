@@ -284,7 +284,7 @@ def main(argv) -> int:
   import platform
   import tempfile
 
-  from experiments.results_io import command_line, write_results
+  from experiments.results_io import command_line, json_path, write_results
   from sparsejax import cluster
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rate", default="unlimited", help='"unlimited" or a tc rate (200mbit)')
@@ -292,7 +292,8 @@ def main(argv) -> int:
   ap.add_argument("--parts", type=int, default=5, help="interleaved rounds of the parts")
   ap.add_argument("--pin", default=PINS[0], choices=PINS,
                   help="how each node's process keeps to its core once XLA has started")
-  ap.add_argument("--out", required=True, help="results JSON (a markdown table beside it)")
+  ap.add_argument("--out", type=json_path, required=True,
+                  help="results JSON (a markdown table beside it)")
   args = ap.parse_args(argv)
   if args.runs < 1 or args.parts < 1:
     ap.error(f"--runs and --parts must be >= 1, got {args.runs} and {args.parts}")

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from experiments.results_io import command_line, footer, spread, write_results  # noqa: E402
+from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
 
 # name -> XLA_FLAGS (the flags this jaxlib's XLA:CPU has, `strings` on its library)
 FLAG_SETS = {
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--sets", default=",".join(FLAG_SETS), help="names of FLAG_SETS")
   ap.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR",
                   help="also time another checkout's step (default flags) in each round")
-  ap.add_argument("--out", required=True)
+  ap.add_argument("--out", type=json_path, required=True)
   args = ap.parse_args(argv)
   checkouts = dict(c.split("=", 1) for c in args.checkout if "=" in c)
   missing = [d for d in checkouts.values()

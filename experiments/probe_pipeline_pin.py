@@ -1,13 +1,11 @@
 """Probe: does pinning a node process to one core before XLA starts serialise the pipelined
-exchange? One emulated node per process, two CPU devices each; rank 0 prints the pipelined
-step's halves alone, their timeline together and five steady steps (ms). Root:
+exchange? One emulated node per process (a namespace each, root), two CPU devices each; rank 0
+prints the pipelined step's halves alone, their timeline together and five steady steps (ms):
 
-  PIN_AFTER=0 python ../shared/probes/run_probe.py experiments/probe_pipeline_pin.py 200mbit 2
-  PIN_AFTER=1 python ../shared/probes/run_probe.py experiments/probe_pipeline_pin.py 200mbit 2
-  PIPE= PIN_AFTER=1 python ../shared/probes/run_probe.py experiments/probe_pipeline_pin.py \\
-      200mbit 1                                                         # unpipelined, 1 device
-
-(`run_probe.py` launches `cluster.launch([probe], nodes=2, devices_per_proc=...)`.)
+  python experiments/probe_pipeline_pin.py --rate 200mbit --pin after     # every thread, once
+                                                                          # XLA has started
+  python experiments/probe_pipeline_pin.py --rate 200mbit --pin before    # before XLA starts
+  python experiments/probe_pipeline_pin.py --rate 200mbit --pin after --unpipelined  # 1 device
 """
 
 import os
@@ -16,6 +14,31 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def main(argv: list[str]) -> int:
+  """The driver: two emulated nodes at `--rate`, this file as each node's process."""
+  import argparse
+
+  from sparsejax import cluster
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rate", default="200mbit", help='"unlimited" or a tc rate (200mbit)')
+  ap.add_argument("--pin", default="after", choices=("after", "before"),
+                  help="each node's process pinned to its core after XLA starts (every "
+                  "thread) or before (the process, then XLA sizes its pool to one core)")
+  ap.add_argument("--unpipelined", action="store_true", help="one device, no pipeline")
+  args = ap.parse_args(argv)
+  env = {"PIN_AFTER": str(int(args.pin == "after")),
+         "PIPE": "" if args.unpipelined else "device", "GLOO_SOCKET_IFNAME": "eth0"}
+  rate = None if args.rate == "unlimited" else cluster.parse_rate(args.rate)
+  with cluster.EmulatedCluster(2, rate) as c:  # a namespace per node at every rate
+    return cluster.launch([os.path.abspath(__file__)], nodes=2, procs_per_node=1,
+                          devices_per_proc=1 if args.unpipelined else 2,
+                          program=[sys.executable], extra_env=env, cluster=c)
+
+
+if "SPARSEJAX_PROCESS_ID" not in os.environ:
+  sys.exit(main(sys.argv[1:]))
 rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
 after = os.environ.get("PIN_AFTER") == "1"
 if not after:

@@ -7,6 +7,7 @@ paths inside the checkout relative to its root and other absolute paths as place
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -68,6 +69,16 @@ def footer(meta: dict) -> str:
   """The line every result table ends with: its command, machine and date (from `meta`)."""
   return (f"Command: `{meta['command']}`; machine: {meta['machine']} ({meta['cpus']} cores); "
           f"date: {meta['date']}.")
+
+
+def json_path(value: str) -> str:
+  """argparse type of a results file (`--out`): a path ending in .json that is not a folder,
+  checked before a long run rather than when it writes at the end."""
+  if os.path.isdir(value) or not value.endswith(".json"):
+    raise argparse.ArgumentTypeError(
+        f"{value!r}: must be a results file ending in .json (its table written beside it "
+        "as .md), not a folder")
+  return value
 
 
 def write_atomic(path: str, text: str) -> None:

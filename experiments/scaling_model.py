@@ -60,6 +60,7 @@ if not __package__:  # run as `python experiments/scaling_model.py`: import from
 
 from experiments.results_io import (  # noqa: E402
     command_line,
+    json_path,
     portable_path,
     resolve,
     write_results,
@@ -576,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--tta", default=os.path.join(HERE, "results", "time_to_accuracy.json"),
                  help="the time-to-accuracy study's results (section 3; skipped if absent)")
   p.add_argument("--batch-per-gpu", type=int, default=256)
-  p.add_argument("--out", default=os.path.join(HERE, "results", "scaling_model.json"))
+  p.add_argument("--out", type=json_path,
+                 default=os.path.join(HERE, "results", "scaling_model.json"))
   args = p.parse_args(argv)
   if args.batch_per_gpu < 1:
     p.error(f"--batch-per-gpu must be >= 1, got {args.batch_per_gpu}")

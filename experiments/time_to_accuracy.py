@@ -70,7 +70,7 @@ if not __package__:  # run as `python experiments/time_to_accuracy.py`: import f
 
 from experiments.bench_comm import launch_workers  # noqa: E402
 from experiments.jax_runner import JaxRun  # noqa: E402 (sparsejax's runner)
-from experiments.results_io import command_line, portable_path, write_results  # noqa: E402
+from experiments.results_io import command_line, json_path, portable_path, write_results  # noqa: E402
 from experiments.torch_peer import TorchRun  # noqa: E402 (the peer's runner)
 from experiments.tta_analysis import report, steps_to_target  # noqa: E402
 from experiments.tta_systems import (  # noqa: E402
@@ -427,7 +427,8 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true",
                   help="CI smoke run: small MLP on digits, 36 steps, dense/hitopk-0.01/torch-ddp, "
                   "1 seed")
-  ap.add_argument("--out", default=os.path.join(HERE, "results", "time_to_accuracy.json"))
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "time_to_accuracy.json"))
   ap.add_argument("--from-results", metavar="JSON",
                   help="no runs: analyse a results file again, writing --out's table and plot")
   # worker-only arguments

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 from typing import Any
 
@@ -219,13 +220,11 @@ def pipeline_overlap(results: dict) -> dict[str, dict[str, dict[str, list[float]
 
 
 def unpipelined(system: str) -> str:
-  """The name of a pipelined system's twin without the pipeline: "-pipe" (and "-pipe-p", its
-  weight-predicting form) dropped, its `+key=value` overrides kept ("dense-pipe-p+x=1" ->
-  "dense+x=1")."""
+  """The name of a pipelined system's twin without the pipeline: "-pipe" and what qualifies it
+  ("-p", "-l": its weight predictions; "-f0.25": its start) dropped, its `+key=value` overrides
+  kept ("dense-pipe-l+x=1" -> "dense+x=1")."""
   name, sep, extra = system.partition("+")
-  for suffix in ("-pipe-p", "-pipe"):
-    name = name.removesuffix(suffix)
-  return name + sep + extra
+  return re.sub(r"-pipe(-(p|l|f[0-9.]+))?$", "", name) + sep + extra
 
 
 def _pipeline_lines(results: dict) -> list[str]:

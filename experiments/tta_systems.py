@@ -111,13 +111,20 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # ... with weight prediction: each gradient taken at the parameters extrapolated by the
     # last update (compression.pipeline_predict)
     "dense-pipe-p": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
-                             "compression.pipeline_predict": True}),
+                             "compression.pipeline_predict": "last"}),
+    # ... with the optimizer's update of each worker's own late gradient as the guess
+    # (compression.pipeline_predict "local")
+    "dense-pipe-l": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
+                             "compression.pipeline_predict": "local"}),
+    "hitopk-0.05-pipe-l": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.05,
+                                   "compression.pipeline": "device",
+                                   "compression.pipeline_predict": "local"}),
     "hitopk-0.05-w0.5-pipe-p": ("jax", {"compression.algorithm": "hitopk",
                                         "compression.density": 0.05,
                                         "compression.warmup_epochs": 0.5,
                                         "compression.warmup_density": 0.2,
                                         "compression.pipeline": "device",
-                                        "compression.pipeline_predict": True}),
+                                        "compression.pipeline_predict": "last"}),
     "dense-pipe-f0.25": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
                                  "compression.pipeline_from_epochs": 0.25}),
     "hitopk-0.05-w0.5-pipe": ("jax", {"compression.algorithm": "hitopk",

@@ -238,6 +238,19 @@ def test_link_change_is_checked():
       tta_systems.parse_link_change(bad)
 
 
+@pytest.mark.parametrize("bad", ["folder", "tta.txt"])
+def test_a_results_path_that_is_a_folder_or_not_json_is_refused_before_any_run(
+    tmp_path, capsys, bad):
+  """--out is checked when the arguments are read, not when a long study writes at its end."""
+  (tmp_path / "folder").mkdir()
+  with pytest.raises(SystemExit) as exit_:
+    tta.main(["--systems", "dense", "--out", str(tmp_path / bad)])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert "--out" in err and bad in err and "ending in .json" in err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written
+
+
 def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overlap(tmp_path):
   """The pipelined exchange on the emulated cluster (each node process two CPU devices, the
   gradient on the second, the parameters and gradient moved between them): it trains to the
@@ -272,3 +285,6 @@ def test_a_pipelined_system_is_paired_with_its_unpipelined_twin():
   assert tta_analysis.unpipelined("dense-pipe") == "dense"
   assert tta_analysis.unpipelined("hitopk-0.05-w0.5-pipe-p") == "hitopk-0.05-w0.5"
   assert tta_analysis.unpipelined("dense-pipe-p+optimizer.b1=0.8") == "dense+optimizer.b1=0.8"
+  assert tta_analysis.unpipelined("dense-pipe-l+optimizer.b1=0.8") == "dense+optimizer.b1=0.8"
+  assert tta_analysis.unpipelined("hitopk-0.05-pipe-l") == "hitopk-0.05"
+  assert tta_analysis.unpipelined("dense-pipe-f0.25") == "dense"

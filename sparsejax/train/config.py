@@ -151,9 +151,11 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       # the first pipelined step, in epochs (the steps before it unpipelined: a late gradient
       # costs most in the early, fast-moving steps)
       "pipeline_from_epochs": 0.0,
-      # weight prediction: each pipelined gradient taken at the parameters extrapolated by the
-      # last update (about where it will be applied; SpecTrain, PipeMare)
-      "pipeline_predict": False,
+      # weight prediction: each pipelined gradient taken at a guess of the parameters it will
+      # be applied at. "" off; "last": extrapolated by the last update (SpecTrain, PipeMare);
+      # "local": plus the optimizer's update of the worker's own late gradient (not with
+      # compression.momentum_correction)
+      "pipeline_predict": "",
   })
 
 
@@ -300,10 +302,15 @@ def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
   need(c.compression.pipeline in ("", "program", "device"), "compression.pipeline",
        "'' (off), 'program' or 'device'")
   need(c.compression.pipeline_from_epochs >= 0, "compression.pipeline_from_epochs", ">= 0")
-  need(c.compression.pipeline_predict in (False, True), "compression.pipeline_predict",
-       "False or True")
+  need(c.compression.pipeline_predict in ("", "last", "local"), "compression.pipeline_predict",
+       "'' (off), 'last' or 'local'")
   need(not c.compression.pipeline_predict or c.compression.pipeline,
-       "compression.pipeline_predict", "False unless compression.pipeline is set")
+       "compression.pipeline_predict", "'' unless compression.pipeline is set")
+  if c.compression.pipeline_predict == "local":
+    need(not (c.compression.momentum_correction
+              and c.compression.algorithm in comm.SPARSE_ALGORITHMS),
+         "compression.pipeline_predict", "'' or 'last' with compression.momentum_correction "
+         "(its optimizer is partly in the exchange: 'local' needs the optimizer alone)")
   if c.compression.pipeline:
     need(c.compression.algorithm != "auto", "compression.pipeline",
          "'' with compression.algorithm 'auto' (not pipelined yet)")

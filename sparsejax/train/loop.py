@@ -326,10 +326,8 @@ def _train_step(config: Any, setup: TrainSetup, state: Any,
   `compression.pipeline` says so, else one compiled step per density level."""
   if state.pending is None:
     return _per_level(setup, auto.level if auto else setup.density_level)
-  return pipeline_lib.Pipeline(
-      setup, state, setup.density_level, total_steps, config.compression.pipeline,
-      compute_mesh, start=round(config.compression.pipeline_from_epochs * steps_per_epoch),
-      predict=config.compression.pipeline_predict)
+  return pipeline_lib.from_config(config, setup, state, steps_per_epoch=steps_per_epoch,
+                                  total_steps=total_steps, compute_mesh=compute_mesh)
 
 
 def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,

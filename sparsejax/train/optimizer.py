@@ -149,6 +149,18 @@ def train_chain(compress: optax.GradientTransformation,
   return apply_if_finite_across(optax.chain(compress, record_norm(), optimizer), WORKERS)
 
 
+def optimizer_behind_exchange(config: Any, layout: FlatLayout, *, steps_per_epoch: int,
+                              total_steps: int) -> optax.GradientTransformation:
+  """The optimizer behind the exchange in `build_optimizer`'s chain, alone (its state is the
+  chain's `inner_state[2]`), for a config without momentum correction: fed any gradient, it
+  makes the update the chain would make had the exchange returned that gradient."""
+  if momentum_correction(config) is not None:
+    raise ValueError("the optimizer behind the exchange is the optimizer alone only without "
+                     "compression.momentum_correction (with it, part of it is in the exchange)")
+  learning_rate = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
+  return fused_optimizer(config.optimizer, learning_rate, layout, steps_per_epoch)
+
+
 def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, total_steps: int
                     ) -> optax.GradientTransformation:
   """The whole chain a validated config describes, on the flat face of `layout`."""
@@ -159,8 +171,8 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
     return _adam_corrected(config, layout, learning_rate, density)
   if correction is None:
     return train_chain(compressor(config.compression, density, layout=layout),
-                       fused_optimizer(config.optimizer, learning_rate, layout,
-                                       steps_per_epoch))
+                       optimizer_behind_exchange(config, layout, steps_per_epoch=steps_per_epoch,
+                                                 total_steps=total_steps))
   # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
   # with neither behind it.
   return train_chain(

@@ -20,10 +20,18 @@ Two placements of the same arithmetic:
 
 A step's logged metrics are those of the gradient it applies (computed one step earlier).
 
-Weight prediction (`predict`, config `compression.pipeline_predict`; SpecTrain, Chen et al.
-2018; PipeMare): the gradient is taken at p_t + (p_t - p_{t-1}), the parameters extrapolated by
-the last update, which is about where it will be applied (p_{t+1}) when consecutive updates are
-alike, as momentum and Adam's first moment make them. `Pending.update` carries that last update.
+Weight prediction (`predict`, config `compression.pipeline_predict`): g_t is taken not at p_t
+but at a guess of p_{t+1}, where it will be applied. With a perfect guess the run is the
+unpipelined run's, step for step.
+- "last" (SpecTrain, Chen et al. 2018; PipeMare): p_t + (p_t - p_{t-1}), the parameters
+  extrapolated by the last update; right when consecutive updates are alike, as momentum and
+  Adam's first moment make them. `Pending.update` carries that last update. Its error,
+  u_t - u_{t-1}, moves with the gradient being applied.
+- "local": p_t + the optimizer's update (its state as the exchange half finds it) fed the
+  worker's own g_{t-1} instead of the workers' mean: exactly p_{t+1} but for the part of the mean
+  the worker has not seen (g_i - mean, zero-mean noise uncorrelated with the mean gradient
+  where workers' batches are independent). Costs one optimizer update on the compute half;
+  needs the optimizer alone (`optimizer_lib.optimizer_behind_exchange`: no momentum correction).
 """
 
 from __future__ import annotations
@@ -35,16 +43,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sparsejax.train import optimizer as optimizer_lib
 from sparsejax.train import step as step_lib
 from sparsejax.train.mesh import WORKERS, make_mesh
 from sparsejax.train.state import TrainSetup, TrainState, state_specs
 
-__all__ = ["PLACEMENTS", "Pending", "split_devices", "with_pending", "Pipeline"]
+__all__ = ["PLACEMENTS", "PREDICTIONS", "Pending", "split_devices", "with_pending", "Pipeline",
+           "from_config", "meshes"]
 
 PLACEMENTS = ("program", "device")
+PREDICTIONS = ("", "last", "local")  # weight prediction: off, or how (see the module)
 
 
 class Pending(NamedTuple):
@@ -80,10 +92,10 @@ def split_devices(devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list
 
 
 def _pending(setup: TrainSetup, params, batch_stats, step, inputs, labels, update,
-             predict: bool = False) -> Pending:
+             shift: jax.Array | None = None) -> Pending:
   """One worker's gradient as a `Pending` (inside `shard_map`; `batch_stats` and `update` per
-  worker), taken at `params + update` if `predict`; the update passed through."""
-  at = params + update[0] if predict else params
+  worker), taken at `params + shift` (at `params` if None); the update passed through."""
+  at = params if shift is None else params + shift
   grads, stats, metrics = step_lib.gradient(setup, step, at, step_lib._first(batch_stats),
                                             inputs, labels)
   return Pending(grads[None], step_lib._stack(stats), step_lib._stack(metrics), update)
@@ -131,22 +143,30 @@ class Pipeline:
   also applies its own gradient. placement: "program" or "device". compute_mesh: the compute
   devices' mesh, same shape as `setup.mesh` (placement "device"). start: the first pipelined
   step (the steps before it run unpipelined, `step.train_step`: the early, fast-moving steps
-  are where a late gradient costs most; the start step only computes). predict: take each
-  gradient at the parameters extrapolated by the last update (see the module).
+  are where a late gradient costs most; the start step only computes). predict: weight
+  prediction, one of `PREDICTIONS` (see the module). optimizer: for "local", the optimizer
+  behind the exchange in `setup.tx` (its state the chain's `inner_state[2]`).
   """
 
   def __init__(self, setup: TrainSetup, state_like: TrainState, level_of: Callable,
                total_steps: int, placement: str = "device", compute_mesh: Mesh | None = None,
-               start: int = 0, predict: bool = False):
+               start: int = 0, predict: str = "",
+               optimizer: optax.GradientTransformation | None = None):
     if placement not in PLACEMENTS:
       raise ValueError(f"pipeline placement {placement!r}: allowed {', '.join(PLACEMENTS)}")
+    if predict not in PREDICTIONS:
+      raise ValueError(f"pipeline weight prediction {predict!r}: allowed '' (off), 'last' or "
+                       "'local'")
+    if predict == "local" and optimizer is None:
+      raise ValueError("pipeline weight prediction 'local' needs the optimizer behind the "
+                       "exchange (optimizer_lib.optimizer_behind_exchange)")
     if placement == "device" and (compute_mesh is None
                                   or compute_mesh.devices.shape != setup.mesh.devices.shape):
       raise ValueError("pipeline placement 'device' needs a compute mesh shaped as the state's")
     if start < 0:
       raise ValueError(f"pipeline start step must be >= 0, got {start}")
     self.setup, self.level_of, self.total, self.start = setup, level_of, total_steps, start
-    self.predict = predict
+    self.predict, self.optimizer = predict, optimizer
     self.placement, self.compute_mesh = placement, compute_mesh
     self.specs, self.specs_like = state_specs(state_like), state_like
     self._compiled: dict[tuple[str, Any], Callable] = {}
@@ -154,16 +174,30 @@ class Pipeline:
 
   # ------------------------------------------------------------------ the two halves
 
-  def _compute_body(self, params, batch_stats, step, update, inputs, labels) -> Pending:
-    return _pending(self.setup, params, batch_stats, step, inputs, labels, update, self.predict)
+  def _lead(self, state: TrainState) -> tuple:
+    """What the compute half needs from `state` beyond the parameters: under "local" the
+    pending (unexchanged) gradient and the optimizer's state; else nothing."""
+    if self.predict != "local":
+      return ()
+    return state.pending.grads, state.opt_state.inner_state[2]
+
+  def _compute_body(self, params, batch_stats, step, update, lead, inputs, labels) -> Pending:
+    shift = None
+    if self.predict == "last":
+      shift = update[0]
+    elif self.predict == "local":  # the update the optimizer would make of this worker's own
+      grads, opt_state = lead      # gradient: p_{t+1} but for the part of the mean not seen
+      shift, _ = self.optimizer.update(grads[0], opt_state, params)
+    return _pending(self.setup, params, batch_stats, step, inputs, labels, update, shift)
 
   def _apply_body(self, state: TrainState, level: Any, advance: bool):
-    """The pending gradient applied; with `predict`, the update it made kept in the pending."""
+    """The pending gradient applied; with `predict` "last", the update it made kept in the
+    pending."""
     pending = state.pending
     new_state, metrics = step_lib.apply_gradient(
         self.setup, state, pending.grads[0], step_lib._first(pending.batch_stats), level,
         advance)
-    if self.predict:
+    if self.predict == "last":
       new_state = new_state._replace(pending=pending._replace(
           update=(new_state.params - state.params)[None]))
     local = jax.tree.map(lambda x: x[0], pending.metrics)
@@ -180,9 +214,9 @@ class Pipeline:
 
   def _build(self, kind: str, level: Any) -> Callable:
     s, w = self.specs, P(WORKERS)
-    if kind == "compute":  # (params, batch_stats, step, update, inputs, labels) -> Pending
+    if kind == "compute":  # (params, batch_stats, step, update, lead, inputs, labels) -> Pending
       return _shard_mapped(self.compute_mesh or self.setup.mesh, self._compute_body,
-                           (P(), s.batch_stats, P(), w, w, w), s.pending)
+                           (P(), s.batch_stats, P(), w, self._lead(s), w, w), s.pending)
     if kind == "plain":  # the unpipelined step, before `start`
       return step_lib.jit_train_step(self.setup, self.specs_like, level)
     if kind == "settle":  # state -> state, through one program: arrays that `place` or a
@@ -199,7 +233,7 @@ class Pipeline:
 
     def both(state, inputs, labels):  # "program": one program, the two halves independent
       pending = self._compute_body(state.params, state.batch_stats, state.step,
-                                   state.pending.update, inputs, labels)
+                                   state.pending.update, self._lead(state), inputs, labels)
       new_state, metrics = self._apply_body(state, level, advance=True)
       return new_state._replace(pending=pending._replace(update=new_state.pending.update)), metrics
     return _shard_mapped(self.setup.mesh, both, (s, w, w), (s, P()), donate_argnums=0)
@@ -212,7 +246,7 @@ class Pipeline:
     mesh = self.compute_mesh or self.setup.mesh
     move = (lambda x: _move(x, mesh)) if self.compute_mesh is not None else (lambda x: x)
     args = jax.tree.map(move, (state.params, state.batch_stats, state.step,
-                               state.pending.update, *batch))
+                               state.pending.update, self._lead(state), *batch))
     pending = self._fn("compute")(*args)
     if self.compute_mesh is None:
       return pending
@@ -271,8 +305,23 @@ class Pipeline:
     like = jax.tree.map(  # the compute half's arguments, as they will arrive on its mesh
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                        sharding=NamedSharding(mesh, x.sharding.spec)),
-        (state.params, state.batch_stats, state.step, state.pending.update, *batch))
+        (state.params, state.batch_stats, state.step, state.pending.update, self._lead(state),
+         *batch))
     self._compiled[("compute", None)] = self._fn("compute").lower(*like).compile()
+
+
+def from_config(config: Any, setup: TrainSetup, state_like: TrainState, *, steps_per_epoch: int,
+                total_steps: int, compute_mesh: Mesh | None = None) -> Pipeline:
+  """The pipeline a validated config's `compression.pipeline*` describe, for a run of
+  `total_steps` (`state_like` with its `pending`)."""
+  c = config.compression
+  optimizer = None
+  if c.pipeline_predict == "local":
+    optimizer = optimizer_lib.optimizer_behind_exchange(
+        config, setup.layout, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+  return Pipeline(setup, state_like, setup.density_level, total_steps, c.pipeline, compute_mesh,
+                  start=round(c.pipeline_from_epochs * steps_per_epoch),
+                  predict=c.pipeline_predict, optimizer=optimizer)
 
 
 def meshes(nodes: int, local: int, placement: str) -> tuple[Mesh, Mesh | None]:
