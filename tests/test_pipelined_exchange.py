@@ -149,6 +149,32 @@ def test_local_prediction_takes_each_gradient_where_its_own_update_would_land(pl
   assert not np.allclose(np.asarray(plain.params), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("placement", ["program", "device"])
+def test_a_non_finite_late_gradient_is_not_guessed_from(placement):
+  """"local" with a non-finite pending gradient (which the exchange will skip) takes the next
+  gradient at the parameters themselves: finite, and equal to the unpredicted one."""
+  def make_optimizer(layout):
+    return optim.fused_adamw(0.01, weight_decay=0.0, mask=decay_mask, layout=layout)
+
+  def make_tx(layout):
+    return train_chain(compressor(_dense()), make_optimizer(layout))
+
+  mesh, compute_mesh = _meshes(placement)
+  model = models.build("mlp", num_classes=10, hidden=(37,))
+  setup, state = create_train_state(model, mesh, (8, 8, 1), make_tx, seed=3, num_classes=10)
+  batch = shard_batch(mesh, *_batches(1)[0])
+  state = pipeline_lib.with_pending(setup, state, batch)
+  bad = state.pending.grads.at[1, 5].set(jnp.nan)  # one worker's gradient
+  state = state._replace(pending=state.pending._replace(grads=bad))
+  runs = {predict: pipeline_lib.Pipeline(setup, state, lambda step: None, 4, placement,
+                                         compute_mesh, 0, predict,
+                                         make_optimizer(setup.layout) if predict else None)
+          for predict in ("local", "")}
+  got = {predict: np.asarray(run.gradient(state, batch).grads) for predict, run in runs.items()}
+  assert np.isfinite(got["local"]).all()
+  np.testing.assert_allclose(got["local"][1], got[""][1], rtol=1e-6, atol=1e-7)
+
+
 def _dense():
   config = config_lib.default_config().compression
   config.algorithm = "dense"

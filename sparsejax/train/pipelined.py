@@ -188,6 +188,9 @@ class Pipeline:
     elif self.predict == "local":  # the update the optimizer would make of this worker's own
       grads, opt_state = lead      # gradient: p_{t+1} but for the part of the mean not seen
       shift, _ = self.optimizer.update(grads[0], opt_state, params)
+      # a non-finite late gradient is skipped by the exchange; guessed from, it would make
+      # every later gradient non-finite too: no guess then
+      shift = jnp.where(jnp.all(jnp.isfinite(shift)), shift, jnp.zeros_like(shift))
     return _pending(self.setup, params, batch_stats, step, inputs, labels, update, shift)
 
   def _apply_body(self, state: TrainState, level: Any, advance: bool):
