@@ -11,7 +11,7 @@ times the same step factor auto assumed) is within 1.1x of the better one's.
 
   python experiments/auto_choice.py --config configs/tta_kjv_lm.py \\
     --sets compression.density=0.05 compression.warmup_epochs=0.5 compression.warmup_density=0.2 \\
-           compression.auto_step_factor=1.0 \\
+           auto.step_factor=1.0 \\
     --reference experiments/results/time_to_accuracy_lm_warmup.json --sparse hitopk-0.05-w0.5 \\
     --bandwidths unlimited,1gbit,200mbit,50mbit --runs 3 \
     --out experiments/results/auto_choice_lm.json
@@ -115,7 +115,7 @@ def run_once(config: str, sets: list[str], bandwidth: str, steps: int, log) -> d
   rate = None if bandwidth == "unlimited" else cluster.parse_rate(bandwidth)
   with tempfile.TemporaryDirectory() as workdir:
     argv = ["train", config, "--workdir", workdir, "--no-progress",
-            "--set", "compression.algorithm=auto", "--set", "compression.auto_every_steps=0",
+            "--set", "compression.algorithm=auto", "--set", "auto.probe_budget=0",
             "--set", "eval_every_steps=0", "--set", "checkpoint_every_steps=0",
             "--set", f"num_epochs={steps}", *[a for s in sets for a in ("--set", s)]]
     out = io.StringIO()

@@ -64,7 +64,7 @@ def trace(config, steps: int | None, window: int
   ever = np.zeros(layout.padded_size, bool)
   for step in range(total):
     run.step(step)
-    residual = run.state.opt_state.inner_state[0].feedback
+    residual = run.state.comm_state.feedback
     if residual is None:
       raise ValueError("coverage needs a sparse compression.algorithm with error_feedback")
     r0 = np.asarray(jax.device_get(residual.residual.addressable_shards[0].data)).reshape(-1)

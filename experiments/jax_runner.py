@@ -26,7 +26,7 @@ class JaxRun:
     self.config = config
     self.data = data_lib.open_inputs(config)
     self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
-    placement = config.compression.pipeline
+    placement = config.overlap.pipeline
     mesh, compute_mesh = (pipelined.meshes(*mesh_shape, placement) if placement
                           else (make_mesh(*mesh_shape), None))
     self.setup, self.state = from_config(config, mesh, self.data.num_classes,
@@ -49,7 +49,7 @@ class JaxRun:
       self.eval_fn = jit_eval_step(self.setup, self.state)
       return
     self.auto = self._auto(config, first)
-    self.auto_measures = self.auto is not None and measuring(config.compression)
+    self.auto_measures = self.auto is not None and measuring(config)
     extra = [self.auto.dense_level] if self.auto else []
     self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
         self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
@@ -64,8 +64,8 @@ class JaxRun:
     from sparsejax.train.auto import AutoExchange
     density = schedules.density(config.compression, self.data.steps_per_epoch)
     auto = AutoExchange(config, self.setup, self.state, sparse_level=self.setup.density_level,
-                        dense_level=optimizer_lib.dense_level_index(config.compression, density),
-                        history=[])
+                        dense_level=optimizer_lib.dense_level_index(config, density),
+                        history=[], steps_per_epoch=self.data.steps_per_epoch)
     auto.measure(self.state, first)
     return auto
 
@@ -153,8 +153,7 @@ class JaxRun:
     def put(old):
       value = np.full(old.shape, step, np.int32)
       return self.jax.make_array_from_callback(old.shape, old.sharding, lambda i: value[i])
-    opt = self.state.opt_state  # apply_if_finite_across((compressor, norm, optimizer))
-    comm = opt.inner_state[0]
-    inner = (comm._replace(count=put(comm.count)), *opt.inner_state[1:])
-    self.state = self.state._replace(step=put(self.state.step),
-                                     opt_state=opt._replace(inner_state=inner))
+    from sparsejax.train.optimizer import replace_parts
+    comm = self.state.comm_state  # the chain's `exchange` part
+    self.state = self.state._replace(step=put(self.state.step), opt_state=replace_parts(
+        self.state.opt_state, exchange=comm._replace(count=put(comm.count))))

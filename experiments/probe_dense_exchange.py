@@ -121,17 +121,15 @@ def _no_pmin(run):
   same state, one collective fewer."""
   import dataclasses
 
-  import optax
-
   from sparsejax.finite import apply_if_finite_across
   from sparsejax.train import optimizer as opt_lib
   from sparsejax.train import schedules
   c, setup, per_epoch = run.config, run.setup, run.data.steps_per_epoch
   lr = schedules.learning_rate(c.optimizer, per_epoch, run.total)
-  chain = optax.chain(
-      opt_lib.compressor(c.compression, schedules.density(c.compression, per_epoch),
+  chain = opt_lib.named_chain(
+      opt_lib.compressor(c, schedules.density(c.compression, per_epoch),
                          layout=setup.layout),
-      opt_lib.record_norm(), opt_lib.fused_optimizer(c.optimizer, lr, setup.layout, per_epoch))
+      opt_lib.fused_optimizer(c.optimizer, lr, setup.layout, per_epoch))
   return dataclasses.replace(setup, tx=apply_if_finite_across(chain, ()))
 
 

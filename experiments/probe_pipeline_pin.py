@@ -57,7 +57,7 @@ from experiments.jax_runner import JaxRun  # noqa: E402
 from experiments.tta_systems import load_task  # noqa: E402
 
 config = load_task(os.path.join(ROOT, "configs", "tta_kjv_lm.py"), [
-    "compression.algorithm=dense", "compression.pipeline=" + os.environ.get("PIPE", "device")])
+    "compression.algorithm=dense", "overlap.pipeline=" + os.environ.get("PIPE", "device")])
 run = JaxRun(config, (2, 1))
 for i in range(3):
   run.step(i, wait=True)

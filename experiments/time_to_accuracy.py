@@ -9,7 +9,7 @@ train the same model on the same data with the same recipe to the same target te
 The task is a `sparsejax train` config (model, data.name, data.path, recipe, target_metric:
 accuracy, or loss reached at or below, and target_value, eval_every_steps) with the same `--set`
 keys; each system only changes `compression.*` (a system name may add its own overrides:
-"hitopk-0.01+compression.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
+"hitopk-0.01+experimental.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
 configs/tta_kjv_lm.py (a Transformer LM, AdamW). This file is the driver and the cluster's
 workers; the systems and the task are experiments/tta_systems.py, the analysis, tables and plot
 experiments/tta_analysis.py (also `--from-results`), and the runners are modules of their own:
@@ -159,7 +159,7 @@ def run_worker(args) -> None:
   if auto is not None:  # measuring, its forms follow the link: no step time per level to sweep
     row["exchange_choices"] = auto.history
   from sparsejax.train.auto import measuring
-  measuring = auto is not None and measuring(config.compression)
+  measuring = auto is not None and measuring(config)
   row["sweep"] = [] if measuring else sweep_phase(args, run, lead)
   if lead:
     with open(args.worker_out, "w") as f:
@@ -313,7 +313,7 @@ def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict
   runtime = system_spec(system)[0]
   task = load_task(args.config, args.sets, system)
   # a pipelined exchange on two devices per worker ("device") needs twice the devices
-  local = task.mesh.local * (2 if task.compression.pipeline == "device" else 1)
+  local = task.mesh.local * (2 if task.overlap.pipeline == "device" else 1)
   with _exclusive(args.lock):
     return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
                           devices_per_proc=local if runtime == "jax" else 1, log=log,

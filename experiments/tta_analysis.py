@@ -254,7 +254,7 @@ def _choice_lines(results: dict) -> list[str]:
   runs = [r for r in results.get("train", []) if r.get("exchange_choices")]
   if not runs:
     return []
-  lines = ["", "Algorithm auto's forms (measured every `compression.auto_every_steps` steps; "
+  lines = ["", "Algorithm auto's forms (measured as often as `auto.probe_budget` allows; "
            "a form runs from the step of its choice):", "", "| system | seed | forms |",
            "|---|---:|---|"]
   for r in runs:

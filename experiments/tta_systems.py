@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 NODES = 2
+KJV_STEPS_PER_EPOCH = 457  # the Transformer task's (configs/tta_kjv_lm.py): steps named below
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
 # density warm-up and error feedback.
 SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -36,106 +37,99 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # momentum of its own
     "hitopk-0.01-mc": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01,
                                "compression.momentum_correction": True,
-                               "compression.momentum_masking": False}),
+                               "experimental.momentum_masking": False}),
     "hitopk-0.001-mc": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.001,
                                 "compression.momentum_correction": True,
-                                "compression.momentum_masking": False}),
+                                "experimental.momentum_masking": False}),
     # HiTopKComm with gTop-k between the nodes (experiments/bench_scale.py): k global positions
     # a step, their exact sums, instead of every node's k pairs
     "higtopk-0.01-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.01,
                                 "compression.momentum_correction": True,
-                                "compression.momentum_masking": False}),
+                                "experimental.momentum_masking": False}),
     "higtopk-0.001-mc": ("jax", {"compression.algorithm": "higtopk",
                                  "compression.density": 0.001,
                                  "compression.momentum_correction": True,
-                                 "compression.momentum_masking": False}),
+                                 "experimental.momentum_masking": False}),
     # a diagnostic: gTop-k keeping as many positions as HiTopKComm 0.01 can send on 2 nodes
     "higtopk-0.02-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.02,
                                 "compression.momentum_correction": True,
-                                "compression.momentum_masking": False}),
-    # compression.algorithm=auto (sparsejax.train.auto): the form chosen by measurement, every
-    # 10 steps, between dense and the sparse system named (its steps to target over dense's as
-    # the studies measured them: docs/auto.md)
+                                "experimental.momentum_masking": False}),
+    # compression.algorithm=auto (sparsejax.train.auto): the form chosen by measurement
+    # between dense and the sparse system named (its steps to target over dense's as the
+    # studies measured them: docs/auto.md)
     "auto-0.01-mc": ("jax", {"compression.algorithm": "auto", "compression.density": 0.01,
                              "compression.momentum_correction": True,
-                             "compression.momentum_masking": False,
-                             "compression.auto_step_factor": 0.83,
-                             "compression.auto_every_steps": 10}),
+                             "experimental.momentum_masking": False,
+                             "auto.step_factor": 0.83}),
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05,
-                          "compression.auto_step_factor": 1.22,
-                          "compression.auto_every_steps": 10}),
-    # a dense finish: HiTopKComm (its density warm-up kept) to the step named, then its dense
-    # form (every candidate all-reduced, the residual emptied) to the end of the recipe
+                          "auto.step_factor": 1.22}),
+    # a dense finish: HiTopKComm (its density warm-up kept) to the step named of the
+    # Transformer task's 457 a epoch, then its dense form (every candidate all-reduced, the
+    # residual emptied) to the end of the recipe
     **{f"hitopk-{d}{w}-d{at}": ("jax", {
         "compression.algorithm": "auto", "compression.density": d,
-        "compression.auto_schedule": ((0, "sparse"), (at, "dense")),
+        "auto.schedule": ((0.0, "sparse"), (at / KJV_STEPS_PER_EPOCH, "dense")),
         **({"compression.warmup_epochs": 0.5, "compression.warmup_density": 0.2} if w else {})})
        for d, w, at in [(0.05, "-w0.5", 300), (0.05, "-w0.5", 375), (0.1, "-w0.5", 375),
                         (0.05, "", 300)]},
-    # a dense start: the dense form to the step named, then HiTopKComm (no density warm-up)
+    # a dense start: the dense form to the step named (of 457), then HiTopKComm (no density
+    # warm-up)
     **{f"hitopk-{d}-s{at}": ("jax", {
-        "compression.algorithm": "auto", "compression.density": d,
+        "compression.algorithm": "hitopk", "compression.density": d,
         "compression.warmup_epochs": 0.0,
-        "compression.auto_schedule": ((0, "dense"), (at, "sparse"))})
+        "compression.dense_epochs": at / KJV_STEPS_PER_EPOCH})
        for d, at in [(0.05, 60), (0.05, 114), (0.1, 60), (0.05, 57), (0.1, 57)]},
-    # 1-bit Adam's recipe (Tang et al., 2021) on HiTopKComm: dense for the first eighth of the
-    # recipe (57 steps of the Transformer's 457), AdamW's second moment frozen from there, then
+    # 1-bit Adam's recipe (Tang et al., 2021) on HiTopKComm, the named recipe "onebit_adam":
+    # dense for the first eighth of the run, AdamW's second moment frozen from there, then
     # HiTopKComm with error feedback (with the variance frozen Adam is linear in the gradients,
     # so a delayed gradient moves the parameters as far as the gradients it holds)
-    "hitopk-0.05-1bit": ("jax", {
-        "compression.algorithm": "auto", "compression.density": 0.05,
-        "compression.warmup_epochs": 0.0, "optimizer.freeze_variance_epochs": 0.125,
-        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
+    "hitopk-0.05-1bit": ("jax", {"recipe": "onebit_adam", "compression.algorithm": "hitopk",
+                                 "compression.density": 0.05}),
+    # (the recipe with a density warm-up over half the run after its dense start)
     "hitopk-0.05-1bit-w0.5": ("jax", {
-        "compression.algorithm": "auto", "compression.density": 0.05,
+        "compression.algorithm": "hitopk", "compression.density": 0.05,
         "compression.warmup_epochs": 0.5, "compression.warmup_density": 0.2,
-        "optimizer.freeze_variance_epochs": 0.125,
-        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
-    "hitopk-0.1-1bit": ("jax", {
-        "compression.algorithm": "auto", "compression.density": 0.1,
-        "compression.warmup_epochs": 0.0, "optimizer.freeze_variance_epochs": 0.125,
-        "compression.auto_schedule": ((0, "dense"), (57, "sparse"))}),
+        "optimizer.freeze_variance_epochs": 0.125, "compression.dense_epochs": 0.125}),
+    "hitopk-0.1-1bit": ("jax", {"recipe": "onebit_adam", "compression.algorithm": "hitopk",
+                                "compression.density": 0.1}),
     # the same recipe with the form measured after the dense start: HiTopKComm 0.1 where the
     # link is slow, dense (with the frozen variance: dense-fv) where it is fast (both reach the
     # target at dense's step: a step factor of 1)
-    "auto-0.1-1bit": ("jax", {
-        "compression.algorithm": "auto", "compression.density": 0.1,
-        "compression.warmup_epochs": 0.0, "optimizer.freeze_variance_epochs": 0.125,
-        "compression.auto_schedule": ((0, "dense"), (57, "measured")),
-        "compression.auto_step_factor": 1.0, "compression.auto_every_steps": 10}),
+    "auto-0.1-1bit": ("jax", {"recipe": "onebit_adam", "compression.algorithm": "auto",
+                              "compression.density": 0.1, "auto.step_factor": 1.0}),
     "dense-fv": ("jax", {"compression.algorithm": "dense",
                          "optimizer.freeze_variance_epochs": 0.125}),
     # the one-step pipelined exchange (sparsejax.train.pipelined) on two devices per worker:
     # each gradient computed while the previous one is exchanged and applied
-    "dense-pipe": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device"}),
+    "dense-pipe": ("jax", {"compression.algorithm": "dense", "overlap.pipeline": "device"}),
     # ... with weight prediction: each gradient taken at the parameters extrapolated by the
-    # last update (compression.pipeline_predict)
-    "dense-pipe-p": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
-                             "compression.pipeline_predict": "last"}),
+    # last update (overlap.predict)
+    "dense-pipe-p": ("jax", {"compression.algorithm": "dense", "overlap.pipeline": "device",
+                             "overlap.predict": "last"}),
     # ... with the optimizer's update of each worker's own late gradient as the guess
-    # (compression.pipeline_predict "local")
-    "dense-pipe-l": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
-                             "compression.pipeline_predict": "local"}),
+    # (overlap.predict "local")
+    "dense-pipe-l": ("jax", {"compression.algorithm": "dense", "overlap.pipeline": "device",
+                             "overlap.predict": "local"}),
     "hitopk-0.05-pipe-l": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.05,
-                                   "compression.pipeline": "device",
-                                   "compression.pipeline_predict": "local"}),
+                                   "overlap.pipeline": "device",
+                                   "overlap.predict": "local"}),
     "hitopk-0.05-w0.5-pipe-p": ("jax", {"compression.algorithm": "hitopk",
                                         "compression.density": 0.05,
                                         "compression.warmup_epochs": 0.5,
                                         "compression.warmup_density": 0.2,
-                                        "compression.pipeline": "device",
-                                        "compression.pipeline_predict": "last"}),
-    "dense-pipe-f0.25": ("jax", {"compression.algorithm": "dense", "compression.pipeline": "device",
-                                 "compression.pipeline_from_epochs": 0.25}),
+                                        "overlap.pipeline": "device",
+                                        "overlap.predict": "last"}),
+    "dense-pipe-f0.25": ("jax", {"compression.algorithm": "dense", "overlap.pipeline": "device",
+                                 "overlap.from_epochs": 0.25}),
     "hitopk-0.05-w0.5-pipe": ("jax", {"compression.algorithm": "hitopk",
                                       "compression.density": 0.05,
                                       "compression.warmup_epochs": 0.5,
                                       "compression.warmup_density": 0.2,
-                                      "compression.pipeline": "device"}),
+                                      "overlap.pipeline": "device"}),
     "hitopk-0.01-mc-pipe": ("jax", {"compression.algorithm": "hitopk", "compression.density": 0.01,
                                     "compression.momentum_correction": True,
-                                    "compression.momentum_masking": False,
-                                    "compression.pipeline": "device"}),
+                                    "experimental.momentum_masking": False,
+                                    "overlap.pipeline": "device"}),
     "torch-ddp": ("torch", {"powersgd": False}),
     "torch-powersgd": ("torch", {"powersgd": True}),
 }
@@ -151,7 +145,7 @@ PEERS_INSTALL = "pip install -e '.[peers]' torch==2.13.0"
 
 def system_spec(name: str) -> tuple[str, dict[str, Any]]:
   """(runtime, options) of a system: a name of SYSTEMS, optionally followed by `+key=value`
-  config overrides of its own (a variant: "hitopk-0.01+compression.balance=tensor")."""
+  config overrides of its own (a variant: "hitopk-0.01+experimental.balance=tensor")."""
   base, *extra = name.split("+")
   if base not in SYSTEMS:
     raise ValueError(f"unknown system {base!r}; allowed: {', '.join(SYSTEMS)} (each optionally "
@@ -196,10 +190,12 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   from sparsejax import comm
   from sparsejax.compress import density_levels, level_index
   from sparsejax.train import schedules
-  from sparsejax.train.auto import measuring, scheduled
+  from sparsejax.train.auto import measuring, scheduled, step_schedule
+  from sparsejax.train.optimizer import has_dense_form
   c = config.compression
-  fixed_auto = c.algorithm == "auto" and not measuring(c)  # the forms fixed by step
-  if c.algorithm not in comm.SPARSE_ALGORITHMS and not fixed_auto:
+  # the forms fixed by step: a dense start, or "auto" on a fixed schedule
+  fixed = has_dense_form(config) and not measuring(config)
+  if c.algorithm not in comm.SPARSE_ALGORITHMS and not fixed:
     return np.ones(total)
   schedule = schedules.density(c, steps_per_epoch)
   if schedule is None:
@@ -207,10 +203,10 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   else:
     levels = density_levels(c.density)  # rounded up as the trainer does (compress.level_index)
     dens = np.asarray([levels[level_index(levels, float(schedule(s)))] for s in range(total)])
-  if fixed_auto:  # the dense form's steps send everything
-    dens = np.where([scheduled(c.auto_schedule, s) == "dense" for s in range(total)], 1.0, dens)
+  if fixed:  # the dense form's steps send everything
+    forms = step_schedule(config, steps_per_epoch)
+    dens = np.where([scheduled(forms, s) == "dense" for s in range(total)], 1.0, dens)
   return dens
-
 
 
 def level_steps(config, steps_per_epoch: int, total: int) -> list[list[float]]:

@@ -52,7 +52,7 @@ def _train(args: argparse.Namespace) -> int:
     return 4
   if not distributed:  # a pipelined exchange on two devices per worker: twice the devices
     _ensure_cpu_devices(config.mesh.num_devices * (
-        2 if config.compression.pipeline == "device" else 1))
+        2 if config.overlap.pipeline == "device" else 1))
   from sparsejax.train import CheckpointError, TooManySkippedSteps, train_and_evaluate
 
   workdir = args.workdir or os.path.join(

@@ -123,21 +123,22 @@ def test_the_trainer_builds_either_form_from_the_config():
   momentum; "after": the compressor only the second moment (its candidates are gradients over
   the worker's RMS) and a momentum b1 after the exchange."""
   from sparsejax.flat import FlatLayout
-  from sparsejax.train.optimizer import build_optimizer
+  from sparsejax.train.optimizer import build_optimizer, chain_parts
   cfg = config_lib.default_config()
   cfg.optimizer.name = "adamw"
   cfg.compression.momentum_correction = True
   layout = FlatLayout.from_tree({"w": np.zeros((7, 5), np.float32)})
   mesh = make_mesh(2, 1)
   for where in ("before", "after"):
-    cfg.compression.adam_first_moment = where
+    cfg.experimental.adam_first_moment = where
     tx = build_optimizer(config_lib.validate(cfg), layout, steps_per_epoch=10, total_steps=20)
 
     def init(p, tx=tx):
       return tx.init(p)
     state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(),
                                   check_vma=False))(np.zeros(layout.padded_size, np.float32))
-    exchange, optimizer = state.inner_state[0], state.inner_state[2]
+    parts = chain_parts(state)
+    exchange, optimizer = parts.exchange, parts.optimizer
     assert exchange.feedback.second is not None and exchange.feedback.velocity is not None
     has_momentum = any(np.shape(x) == (layout.padded_size,)
                        for x in jax.tree.leaves(optimizer))

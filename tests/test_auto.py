@@ -21,7 +21,9 @@ from sparsejax.train import config as config_lib
 from tests.conftest import need_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCHEDULE = ((0, "sparse"), (7, "dense"), (12, "sparse"))
+STEPS_PER_EPOCH = 11  # the quickstart's recipe below
+SCHEDULE = ((0, "sparse"), (7, "dense"), (12, "sparse"))  # in steps ...
+EPOCHS = tuple((step / STEPS_PER_EPOCH, form) for step, form in SCHEDULE)  # ... and in epochs
 
 
 def read_csv(path):
@@ -38,7 +40,7 @@ def auto_config(**changes):
   config.checkpoint_every_steps = 10
   config.compression.algorithm = "auto"
   config.compression.warmup_epochs = 0.5
-  config.compression.auto_probe_budget = 0.0  # measured every auto_every_steps exactly
+  config.auto.probe_budget = 0.0  # measured at the start and where the schedule says only
   return override(config, changes)
 
 
@@ -106,12 +108,13 @@ def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
 
 @pytest.mark.parametrize("changes, match", [
     ({"compression.algorithm": "fastest"}, "compression.algorithm.*auto"),
-    ({"compression.auto_sparse": "dense"}, "compression.auto_sparse"),
-    ({"compression.auto_step_factor": 0.0}, "compression.auto_step_factor"),
-    ({"compression.auto_margin": 1.0}, "compression.auto_margin"),
-    ({"compression.auto_schedule": ((3, "dense"),)}, "compression.auto_schedule"),
-    ({"compression.auto_schedule": ((0, "dense"), (5, "fast"))},
-     "compression.auto_schedule.*dense, sparse, measured"),
+    ({"auto.sparse": "dense"}, "auto.sparse"),
+    ({"auto.step_factor": -1.0}, "auto.step_factor"),
+    ({"auto.margin": 1.0}, "auto.margin"),
+    ({"auto.probe_budget": 1.0}, "auto.probe_budget"),
+    ({"auto.schedule": ((0.5, "dense"),)}, "auto.schedule"),
+    ({"auto.schedule": ((0, "dense"), (0.5, "fast"))}, "auto.schedule.*dense, sparse, measured"),
+    ({"compression.dense_epochs": -0.1}, "compression.dense_epochs"),
 ])
 def test_bad_auto_keys_are_named(changes, match):
   with pytest.raises(ValueError, match=match):
@@ -123,7 +126,7 @@ def test_bad_auto_keys_are_named(changes, match):
 @pytest.fixture(scope="module")
 def scheduled_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("scheduled"))
-  summary = train_and_evaluate(auto_config(**{"compression.auto_schedule": SCHEDULE}), workdir,
+  summary = train_and_evaluate(auto_config(**{"auto.schedule": EPOCHS}), workdir,
                                progress=False)
   return workdir, summary
 
@@ -152,7 +155,7 @@ def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_
   for step in ("20", "22"):  # as if the run had died after the checkpoint at step 10 (dense)
     shutil.rmtree(os.path.join(resumed, "checkpoints", step))
   os.remove(os.path.join(resumed, "summary.json"))
-  again = train_and_evaluate(auto_config(**{"compression.auto_schedule": SCHEDULE}), resumed,
+  again = train_and_evaluate(auto_config(**{"auto.schedule": EPOCHS}), resumed,
                              progress=False)
   assert read_csv(os.path.join(resumed, "train.csv")) == read_csv(
       os.path.join(workdir, "train.csv"))
@@ -162,24 +165,37 @@ def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_
 
 
 def test_measuring_is_read_from_the_algorithm_and_the_schedule():
-  c = auto_config().compression
+  c = auto_config()
   assert auto.measuring(c)
-  c.auto_schedule = SCHEDULE
+  c.auto.schedule = EPOCHS
   assert not auto.measuring(c)
-  c.auto_schedule = ((0, "dense"), (7, "measured"))
-  assert auto.measuring(c) and auto.scheduled(c.auto_schedule, 9) == "measured"
-  c.algorithm = "hitopk"
+  assert auto.step_schedule(c, STEPS_PER_EPOCH) == SCHEDULE
+  c.auto.schedule = ((0, "dense"), (7 / STEPS_PER_EPOCH, "measured"))
+  assert auto.measuring(c) and auto.scheduled(auto.step_schedule(c, 11), 9) == "measured"
+  c.compression.algorithm = "hitopk"
   assert not auto.measuring(c)
+
+
+def test_the_dense_start_goes_in_front_of_the_schedule():
+  """`compression.dense_epochs` in steps, ahead of whatever the schedule says (entries before
+  its end move to it, the last of them in force there)."""
+  c = auto_config()
+  c.compression.dense_epochs = 0.5  # 44 steps an epoch below: 22
+  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "measured"))
+  c.auto.schedule = ((0.0, "sparse"), (0.25, "measured"), (0.75, "dense"))
+  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "measured"), (33, "dense"))
+  c.compression.algorithm = "hitopk"  # a fixed algorithm: dense, then sparse
+  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "sparse"))
+  c.compression.dense_epochs = 0.0
+  assert auto.step_schedule(c, 44) == ((0, "sparse"),)
 
 
 def test_probe_interval_stretches_the_cadence_to_the_budget():
-  assert auto.probe_interval(10, 0.1, 0.14, 0.0) == 10  # no budget: every 10 steps
-  assert auto.probe_interval(10, 0.001, 0.14, 0.02) == 10  # cheap probes: every 10
-  # 0.1 s of probes within 2% of the steps between: 0.1 / (0.02 x 0.14 s) = 35.7 steps, so the
-  # least multiple of 10 over it, 40
-  assert auto.probe_interval(10, 0.1, 0.14, 0.02) == 40
-  assert auto.probe_interval(7, 0.3, 0.05, 0.01) == 7 * math.ceil(0.3 / (0.01 * 0.05 * 7))
-  assert auto.probe_interval(0, 0.1, 0.14, 0.02) == 0  # only at the start stays so
+  assert auto.probe_interval(0.1, 0.14, 0.0) is None  # no budget: only at the start
+  assert auto.probe_interval(0.0001, 0.14, 0.02) == 1  # cheap probes: every step
+  # 0.1 s of probes within 2% of the steps between: 0.1 / (0.02 x 0.14 s) = 35.7 steps
+  assert auto.probe_interval(0.1, 0.14, 0.02) == 36
+  assert auto.probe_interval(0.3, 0.05, 0.01) == math.ceil(0.3 / (0.01 * 0.05))
 
 
 def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
@@ -187,25 +203,25 @@ def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
   time and the chosen form's step: at 0.01% of the run no 11-step run can carry a second one
   (it would at every 5 steps without the budget: steps 0, 5, 10)."""
   summary = train_and_evaluate(auto_config(**{
-      "compression.auto_every_steps": 5, "compression.auto_probe_budget": 1e-4,
-      "num_epochs": 1.0}), str(tmp_path), progress=False)
+      "auto.probe_budget": 1e-4, "num_epochs": 1.0}), str(tmp_path), progress=False)
   choices = summary["exchange_choices"]
   assert [c["step"] for c in choices] == [0], choices
   c = choices[0]
   step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}[c["form"]] / 1e3
   assert c["probe_ms"] > 0 and c["next_step"] == auto.probe_interval(
-      5, c["probe_ms"] / 1e3, step_s, 1e-4) > 11
+      c["probe_ms"] / 1e3, step_s, 1e-4) > 11
 
 
 def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tmp_path):
-  """((0, "dense"), (7, "measured")): dense to step 7 whatever the link (1-bit Adam's start),
-  the first measurement at 7, then every `auto_every_steps`."""
+  """`compression.dense_epochs` (7 steps): dense to step 7 whatever the link (1-bit Adam's
+  start), the first measurement at 7, then where the schedule asks (10 and 20)."""
   summary = train_and_evaluate(auto_config(**{
-      "compression.auto_schedule": ((0, "dense"), (7, "measured")),
-      "compression.auto_every_steps": 10}), str(tmp_path), progress=False)
+      "compression.dense_epochs": 7 / STEPS_PER_EPOCH,
+      "auto.schedule": tuple((s / STEPS_PER_EPOCH, "measured") for s in (0, 10, 20))}),
+      str(tmp_path), progress=False)
   choices = summary["exchange_choices"]
   assert [(c["step"], c["why"]) for c in choices] == [
-      (0, "auto_schedule"), (7, "measured"), (10, "measured"), (20, "measured")]
+      (0, "schedule"), (7, "measured"), (10, "measured"), (20, "measured")]
   assert choices[0]["form"] == "dense"
   rows = read_csv(os.path.join(str(tmp_path), "train.csv"))
   for r in rows:
@@ -215,8 +231,9 @@ def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tm
 
 
 def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
-  summary = train_and_evaluate(auto_config(**{"compression.auto_every_steps": 10,
-                                              "num_epochs": 1.0}), str(tmp_path), progress=False)
+  summary = train_and_evaluate(auto_config(**{
+      "auto.schedule": ((0, "measured"), (10 / STEPS_PER_EPOCH, "measured")),
+      "num_epochs": 1.0}), str(tmp_path), progress=False)
   choices = summary["exchange_choices"]
   assert [c["step"] for c in choices] == [0, 10]
   form = None
@@ -245,8 +262,7 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   argv = ["train", os.path.join(ROOT, "configs", "quickstart.py"), "--workdir", str(workdir),
           "--no-progress", "--set", "mesh.local=1", "--set", "mesh.num_devices=2",
           "--set", "batch_size=64", "--set", "num_epochs=3", "--set", "compression.algorithm=auto",
-          "--set", "compression.auto_every_steps=20", "--set", "compression.auto_step_factor=3.0",
-          "--set", "compression.auto_probe_budget=0",
+          "--set", "auto.step_factor=3.0", "--set", "auto.probe_budget=0.2",
           "--set", "eval_every_steps=0",
           "--set", "checkpoint_every_steps=0"]
   out, result = io.StringIO(), {}

@@ -60,7 +60,7 @@ def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
   mesh = make_mesh(2, 4)
   setup, state = create_train_state(
       model, mesh, (size, size, 3),
-      lambda layout: train_chain(compressor(config.compression),
+      lambda layout: train_chain(compressor(config),
                                  fused_optimizer(config.optimizer, 0.1, layout)),
       num_classes=7)
   before = np.asarray(state.params)
@@ -101,7 +101,7 @@ def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_l
   mesh = make_mesh(2, 4)
 
   def make_tx(layout):
-    return train_chain(compressor(config.compression),
+    return train_chain(compressor(config),
                        fused_optimizer(config.optimizer, 1e-3, layout))
   tokens = rng.integers(1, vocab, (16, length + 1)).astype(np.int32)
   tokens[:, -3:] = 0  # padding

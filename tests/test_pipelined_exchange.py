@@ -176,9 +176,9 @@ def test_a_non_finite_late_gradient_is_not_guessed_from(placement):
 
 
 def _dense():
-  config = config_lib.default_config().compression
-  config.algorithm = "dense"
-  config.density = 1.0
+  config = config_lib.default_config()
+  config.compression.algorithm = "dense"
+  config.compression.density = 1.0
   return config
 
 
@@ -186,8 +186,8 @@ def test_both_placements_compute_the_same_run():
   """HiTopKComm with error feedback and AdamW through a density warm-up: the two placements
   (one program; two devices per worker) give the same parameters and residuals."""
   steps = 7
-  compression = config_lib.default_config().compression
-  compression.density = 0.05
+  compression = config_lib.default_config()
+  compression.compression.density = 0.05
   levels = {s: (0 if s < 3 else 1) for s in range(steps)}
 
   def make_tx(layout):
@@ -211,8 +211,8 @@ def test_a_resumed_pipelined_run_equals_the_uninterrupted_run(tmp_path, predict)
   logs exactly what the uninterrupted one did (with "local" prediction too: its guess is made
   from the pending gradient and the optimizer's state, both in the checkpoint)."""
   config = small_config(**{"model.name": "mlp", "model.hidden": (48,),
-                           "compression.pipeline": "program",
-                           "compression.pipeline_predict": predict,
+                           "overlap.pipeline": "program",
+                           "overlap.predict": predict,
                            "data.resize_schedule": ((0, 8),)})
   whole = str(tmp_path / "whole")
   summary = train_and_evaluate(config, whole, progress=False)
@@ -232,26 +232,25 @@ def test_a_resumed_pipelined_run_equals_the_uninterrupted_run(tmp_path, predict)
 
 def test_bad_pipeline_settings_are_named():
   config = small_config()
-  config.compression.pipeline = "async"
-  with pytest.raises(ValueError, match="compression.pipeline.*'program' or 'device'"):
+  config.overlap.pipeline = "async"
+  with pytest.raises(ValueError, match="overlap.pipeline.*'program' or 'device'"):
     config_lib.validate(config)
-  config.compression.pipeline = "device"
+  config.overlap.pipeline = "device"
   config.compression.algorithm = "auto"
-  with pytest.raises(ValueError, match="compression.pipeline.*auto"):
+  with pytest.raises(ValueError, match="overlap.pipeline.*auto"):
     config_lib.validate(config)
   with pytest.raises(ValueError, match="even number of devices per process"):
     pipeline_lib.split_devices(jax.devices()[:3])
-  config = small_config(**{"compression.pipeline_predict": "last"})
-  with pytest.raises(ValueError, match="pipeline_predict.*unless compression.pipeline"):
+  config = small_config(**{"overlap.predict": "last"})
+  with pytest.raises(ValueError, match="overlap.predict.*unless overlap.pipeline"):
     config_lib.validate(config)
-  config = small_config(**{"compression.pipeline": "device",
-                           "compression.pipeline_predict": "next"})
-  with pytest.raises(ValueError, match="pipeline_predict' = 'next'.*'last' or 'local'"):
+  config = small_config(**{"overlap.pipeline": "device", "overlap.predict": "next"})
+  with pytest.raises(ValueError, match="predict' = 'next'.*'last' or 'local'"):
     config_lib.validate(config)
-  config = small_config(**{"compression.pipeline": "device", "compression.algorithm": "hitopk",
+  config = small_config(**{"overlap.pipeline": "device", "compression.algorithm": "hitopk",
                            "compression.momentum_correction": True,
-                           "compression.pipeline_predict": "local"})
-  with pytest.raises(ValueError, match="pipeline_predict.*momentum_correction"):
+                           "overlap.predict": "local"})
+  with pytest.raises(ValueError, match="overlap.predict.*momentum_correction"):
     config_lib.validate(config)
 
 

@@ -113,3 +113,25 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
   with pytest.raises(ValueError, match="does not fit this run: params has shape"):
     ckpt.restore(1, other)
   ckpt.close()
+
+
+@pytest.mark.parametrize("local", [2, 4])
+def test_a_checkpoint_with_the_chain_by_position_restores(tmp_path, local):
+  """A state written before the chain's parts had names (its `inner_state` a plain tuple,
+  "inner_state.0.count") restores into the named `ChainState`, resized (4 -> 8 workers) too."""
+  config = small_config("allgather")
+  _, _, state = build(config, 2, 2)
+  opt = state.opt_state
+  old = state._replace(opt_state=opt._replace(inner_state=tuple(opt.inner_state)))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=1)
+  ckpt.save(1, old)
+  ckpt.wait()
+  assert "opt_state.inner_state.0.count" in ckpt.saved_shapes(1)
+  _, _, like = build(config, 2, local)
+  got = ckpt.restore(1, like)
+  assert jax.tree.structure(got) == jax.tree.structure(like)
+  assert got.chain.exchange.count.shape == (2 * local,)
+  for a, b in zip(jax.tree.leaves(got.chain.optimizer), jax.tree.leaves(state.chain.optimizer),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ckpt.close()

@@ -143,9 +143,9 @@ def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
   # algorithm auto with its forms fixed by step: the dense form's steps at 1.0, the sparse
   # form's on its warm-up (here none: its final density)
   fixed = tta_systems.load_task(CONFIG, ["compression.warmup_epochs=0.0"], "hitopk-0.05-s60")
-  dens = tta_systems.density_per_step(fixed, 200, 90)
+  dens = tta_systems.density_per_step(fixed, 457, 90)  # (60 of the Transformer task's 457)
   assert np.all(dens[:60] == 1.0) and np.all(dens[60:] == 0.05)
-  assert tta_systems.level_steps(fixed, 200, 90) == [[1.0, 0], [0.05, 60]]
+  assert tta_systems.level_steps(fixed, 457, 90) == [[1.0, 0], [0.05, 60]]
 
 
 def test_analysis_sums_steps_per_level_times_median_step_time():
@@ -205,13 +205,16 @@ def test_a_loss_target_is_reached_from_above():
 
 
 def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
-  """--link-change: the link drops from 200 to 20 Mbit/s before step 7 of the quick recipe, and auto
-  (measuring every 5 steps) sees it; --stop-at-target: each run ends at its first evaluation at
-  or above the target; no sweep (the runs are timed end to end)."""
+  """--link-change: the link drops from 200 to 20 Mbit/s before step 7 of the quick recipe, and
+  auto (measuring every tenth of an epoch, 2 steps: `auto.schedule`) sees it;
+  --stop-at-target: each run ends at its first evaluation at or above the target; no sweep (the
+  runs are timed end to end)."""
   need_root("study")
   out = tmp_path / "tta.json"
-  system = "auto-0.01-mc+compression.auto_every_steps=5+compression.auto_probe_budget=0"
+  system = "auto-0.01-mc"
+  every = tuple((round(0.1 * i, 1), "measured") for i in range(16))
   assert tta.main(["--quick", "--systems", f"dense,{system}", "--phases", "runs",
+                   "--set", f"auto.schedule={every!r}",
                    "--link-change", "20mbit@0.2", "--stop-at-target",
                    "--out", str(out)]) == 0
   got = json.loads(out.read_text())
@@ -223,7 +226,7 @@ def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
     assert reached[-1] or run["curve"][-1]["step"] == run["total_steps"]
   auto_run = next(r for r in got["train"] if r["system"] == system)
   choices = auto_run["exchange_choices"]
-  assert [c["step"] for c in choices][:2] == [0, 5]
+  assert choices[0]["step"] == 0 and choices[1]["step"] <= 5, choices
   assert choices[0]["link_MBps"] > 5  # --quick trains at 200 Mbit/s (25 MB/s) ...
   after = [c for c in choices if c["step"] >= 7]
   assert after and all(c["link_MBps"] < 5 for c in after)  # ... then 20 Mbit/s = 2.5 MB/s

@@ -108,7 +108,7 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   mesh = make_mesh(2, 4)
 
   def make_tx(layout):
-    compress = compressor(config.compression)
+    compress = compressor(config)
     if decay_in == "gradient":  # in front of the compressor, as with momentum correction
       compress = optimizer_lib.weight_decay_first(compress, 1e-3, layout)
     return train_chain(compress, fused_optimizer(config.optimizer, 0.05, layout))
@@ -266,14 +266,14 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   from sparsejax.train.optimizer import MomentumCorrection, momentum_correction
   config = validate(small_config(**{"compression.momentum_correction": True,
                                     "compression.density": 0.02,
-                                    "compression.momentum_masking": True,
+                                    "experimental.momentum_masking": True,
                                     "model.num_filters": 4}))
   assert momentum_correction(config) == MomentumCorrection(
       momentum=0.9, nesterov=True, masking=True, weight_decay=5e-4)
   assert config.optimizer.momentum == 0.9  # the config is not rewritten
   mesh = make_mesh(2, 4)
   setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
-  optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
+  optimizer_state = state.chain.optimizer
   assert optimizer_state.momentum is None  # the optimizer has no momentum of its own
   feedback = state.comm_state.feedback
   assert feedback.velocity is not None and feedback.velocity.shape == feedback.residual.shape
@@ -309,6 +309,6 @@ def test_without_momentum_correction_the_optimizer_keeps_the_momentum():
   assert not config.compression.momentum_correction
   _, state = from_config(config, make_mesh(2, 4), 10, (8, 8, 1), steps_per_epoch=10,
                          total_steps=20)
-  optimizer_state = state.opt_state.inner_state[-1]  # (compressor, norm, optimizer)
+  optimizer_state = state.chain.optimizer
   assert optimizer_state.momentum is not None
   assert state.comm_state.feedback.velocity is None

@@ -1,11 +1,11 @@
 """`compression.algorithm = "auto"`: the exchange chosen on the host, by measurement.
 
-The compressor is `compression.auto_sparse` built with its dense form (`topk_allreduce(...,
-dense_level=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
-residual). `AutoExchange` picks the form before a step, at the first step and every
-`auto_every_steps` steps after, from what it measures then (every process the same probes, each
-figure the slowest process's, so all processes choose alike; where those probes would take
-more than `auto_probe_budget` of the run's time at that cadence, less often: `probe_interval`):
+The compressor is `auto.sparse` built with its dense form (`topk_allreduce(..., dense_level=True)`):
+one state, two forms, so a switch loses nothing (a dense step sends the residual).
+`AutoExchange` picks the form before a step, at the first step and again whenever the last
+measurement's cost allows (`auto.probe_budget`: the measurements take at most that share of the
+run's time, `probe_interval`), from what it measures then (every process the same probes, each
+figure the slowest process's, so all processes choose alike):
 
   link     an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
            that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
@@ -16,20 +16,18 @@ more than `auto_probe_budget` of the run's time at that cadence, less often: `pr
 
 `predict` turns them into each form's step time with the library's cost model
 (`sparsejax.cost.exchange_time`: the dense form's all-reduce, the sparse form's collectives at
-the final density); `choose` compares the dense step with the sparse step times
-`auto_step_factor` (the sparse system's steps to the target over dense's: a property of the task
-and the density, which auto takes from the config and states in its log, never measures) and
-keeps the current form unless the other is predicted faster by more than `auto_margin`.
+the final density); `choose` compares the dense step with the sparse step times the step factor
+(the sparse system's steps to the target over dense's: `auto.step_factor` where the user sets
+it) and keeps the current form unless the other is predicted faster by more than `auto.margin`.
 Not modelled: the density warm-up's higher levels (their steps cost more than the final
 density's) and any overlap of the exchange with compute (the step runs them in sequence).
 
-`auto_schedule` fixes the forms by step instead (no measurement): for reproducible runs, the
-tests, and the best fixed schedule a study compares auto with. A schedule's "measured" entries
-hand the choice back to the measurements from their step on (the first measurement there):
-((0, "dense"), (57, "measured")) runs dense to step 57 whatever the link (1-bit Adam's dense
-start, `optimizer.freeze_variance_epochs`), then the measured form. Each choice, with the figures
-behind it, is printed, written to `auto.csv` and kept in the checkpoints' and summary.json's
-"exchange_choices".
+`auto.schedule` fixes the forms by epoch instead (no measurement): for reproducible runs, the
+tests, and the fixed schedules a study compares auto with. A schedule's "measured" entries hand
+the choice back to the measurements from their epoch on. `compression.dense_epochs` runs the
+dense form first whatever the link (1-bit Adam's dense start: recipe "onebit_adam"), then the
+schedule or the measured form. Each choice, with the figures behind it, is printed, written to
+`auto.csv` and kept in the checkpoints' and summary.json's "exchange_choices".
 """
 
 from __future__ import annotations
@@ -118,14 +116,14 @@ def choose(step_s: dict[str, float], step_factor: float, current: str | None,
   return best if to_target[best] < (1.0 - margin) * to_target[current] else current
 
 
-def probe_interval(every: int, probe_s: float, step_s: float, budget: float) -> int:
-  """Steps to the next measurement: `every`, or the least multiple of it over which a
-  measurement's `probe_s` seconds stay within `budget` of the steps' time (`step_s` each;
-  budget 0: `every`). On the Transformer LM at 2 Gbit/s a measurement's timed calls took
-  41-62 ms: every 10 steps of a 0.12 s step that is 3-5% of the run."""
-  if not budget or not every:
-    return every
-  return every * max(1, math.ceil(probe_s / (budget * step_s * every)))
+def probe_interval(probe_s: float, step_s: float, budget: float) -> int | None:
+  """Steps to the next measurement: the fewest over which a measurement's `probe_s` seconds
+  stay within `budget` of the steps' time (`step_s` each); None for budget 0 (no more
+  measurements). On the Transformer LM at 2 Gbit/s a measurement's timed calls took 41-62 ms:
+  with a 0.12 s step and the default budget of 2%, one measurement every 17-26 steps."""
+  if not budget:
+    return None
+  return max(1, math.ceil(probe_s / (budget * step_s)))
 
 
 def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
@@ -137,12 +135,28 @@ def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
   return form
 
 
-def measuring(compression: Any) -> bool:
-  """Whether algorithm "auto" measures in this config (at all steps, or from a schedule's
-  "measured" entry on); False for fixed schedules and the other algorithms."""
-  return compression.algorithm == "auto" and (
-      not compression.auto_schedule
-      or any(form == "measured" for _, form in compression.auto_schedule))
+def step_schedule(config: Any, steps_per_epoch: int) -> tuple[tuple[int, str], ...]:
+  """((first_step, form), ...) of a validated config: under "auto" `auto.schedule` (epochs) in
+  steps, or measured throughout; for the other algorithms "sparse" throughout; with the dense
+  start (`compression.dense_epochs`) in front."""
+  from sparsejax.train.optimizer import dense_steps
+  steps: dict[int, str] = {}
+  fixed = config.auto.schedule if config.compression.algorithm == "auto" else ((0.0, "sparse"),)
+  for epoch, form in fixed or ((0.0, "measured"),):
+    steps[round(epoch * steps_per_epoch)] = form  # the last of those rounded to one step
+  schedule = sorted(steps.items())
+  start = dense_steps(config, steps_per_epoch)
+  if not start:
+    return tuple(schedule)
+  return ((0, "dense"), (start, scheduled(schedule, start)),
+          *((s, f) for s, f in schedule if s > start))
+
+
+def measuring(config: Any) -> bool:
+  """Whether algorithm "auto" measures in this validated config (at all steps, or from a
+  schedule's "measured" entry on); False for fixed schedules and the other algorithms."""
+  return config.compression.algorithm == "auto" and (
+      not config.auto.schedule or any(form == "measured" for _, form in config.auto.schedule))
 
 
 # ----------------------------------------------------------------------------- the probes
@@ -261,17 +275,18 @@ class AutoExchange:
   choice with the figures behind it."""
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
-               dense_level: int, history: list[dict[str, Any]]):
+               dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int):
     from sparsejax.train import step as step_lib  # (step imports state, which needs no auto)
     c = config.compression
-    self.compression = c
+    self.compression, self.options = c, config.auto
+    self.schedule = step_schedule(config, steps_per_epoch)
     self.setup = setup
     self.sparse_level, self.dense_level = sparse_level, dense_level
     self.history = history
     mesh = setup.mesh
     self.nodes, self.local = mesh.shape["node"], mesh.shape["local"]
     self.n = setup.layout.padded_size
-    hierarchical = c.auto_sparse in comm.HIERARCHICAL_ALGORITHMS
+    hierarchical = config.auto.sparse in comm.HIERARCHICAL_ALGORITHMS
     self.shard = self.n // self.local if hierarchical else self.n
     self.k = max(1, round(c.density * self.shard))
     self._compute = step_lib.jit_compute_step(setup, state_like)
@@ -286,9 +301,8 @@ class AutoExchange:
     return self.history[-1]["form"] if self.history else None
 
   def _scheduled(self, step: int) -> str:
-    """The schedule's form at `step`: "measured" without a schedule."""
-    c = self.compression
-    return scheduled(c.auto_schedule, step) if c.auto_schedule else "measured"
+    """The schedule's form at `step` ("measured" where it measures)."""
+    return scheduled(self.schedule, step)
 
   def level(self, step: int) -> int:
     """The compressor's level at `step` for the form in force."""
@@ -298,23 +312,18 @@ class AutoExchange:
     return self.dense_level if form == "dense" else self.sparse_level(step)
 
   def _due(self, step: int) -> bool:
-    c = self.compression
     last = self.history[-1]["step"] if self.history else None
-    if any(first == step for first, _ in c.auto_schedule) or last is None:
+    if any(first == step for first, _ in self.schedule) or last is None:
       return last != step
-    return (self._scheduled(step) == "measured" and bool(c.auto_every_steps)
-            and step % c.auto_every_steps == 0 and last != step
-            and step >= self.history[-1].get("next_step", 0))
+    next_step = self.history[-1].get("next_step")
+    return (self._scheduled(step) == "measured" and next_step is not None and last != step
+            and step >= next_step)
 
-  def _next(self, step: int, step_s: float) -> int:
-    """The step of the next measurement after one at `step`: the cadence's k-th point after
-    it, k the budget's multiple of `auto_every_steps` (`probe_interval`; 1 without a budget)."""
-    c = self.compression
-    every = c.auto_every_steps
-    if not every:
-      return step + 1
-    k = probe_interval(every, self.probe_s, step_s, c.auto_probe_budget) // every
-    return (step // every + k) * every
+  def _next(self, step: int, step_s: float) -> int | None:
+    """The step of the next measurement after one at `step` (`probe_interval`; None: no more
+    unless the schedule asks)."""
+    interval = probe_interval(self.probe_s, step_s, self.options.probe_budget)
+    return None if interval is None else step + interval
 
   def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, compute and local-work probes (each the slowest process's); after this
@@ -337,27 +346,30 @@ class AutoExchange:
     entry: dict[str, Any] = {"step": step}
     form = self._scheduled(step)
     if form != "measured":
-      entry.update(form=form, why="auto_schedule")
+      entry.update(form=form, why="schedule")
     else:
       m = self.measure(state, batch)
-      step_s = predict(m, algorithm=c.auto_sparse, n=self.n, density=c.density,
+      a = self.options
+      step_s = predict(m, algorithm=a.sparse, n=self.n, density=c.density,
                        nodes=self.nodes, local=self.local)
-      form = choose(step_s, c.auto_step_factor, self.form, c.auto_margin)
+      factor = a.step_factor or 1.0
+      form = choose(step_s, factor, self.form, a.margin)
       entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, compute_ms=1e3 * m.compute_s,
                    select_ms=1e3 * m.select_s, dense_step_ms=1e3 * step_s["dense"],
-                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=c.auto_step_factor,
+                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=factor,
                    probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
     self.history.append(entry)
     if self.lead:
-      print(describe(entry, c), flush=True)
+      print(describe(entry, c, self.options), flush=True)
       writer.write("auto", step, {"dense": float(entry["form"] == "dense"), **{
-          k: v for k, v in entry.items() if k not in ("step", "why", "form")}})
+          k: v for k, v in entry.items() if k not in ("step", "why", "form") and v is not None}})
 
 
-def describe(entry: dict[str, Any], compression: Any) -> str:
-  """One log line for a choice."""
-  sparse = f"{compression.auto_sparse} {compression.density:g}"
+def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
+  """One log line for a choice (`options`: the config's `auto` group)."""
+  sparse = f"{options.sparse} {compression.density:g}"
+  source = "auto.step_factor" if options.step_factor else "not set: 1"
   head = f"sparsejax auto: step {entry['step']}: "
   if entry["why"] != "measured":
     return head + f"{entry['form']} ({entry['why']})"
@@ -365,6 +377,8 @@ def describe(entry: dict[str, Any], compression: Any) -> str:
       f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call, compute "
       f"{entry['compute_ms']:.1f} ms, selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
-      f"{entry['step_factor']:g} steps (assumed: auto_step_factor) = "
+      f"{entry['step_factor']:g} steps ({source}) = "
       f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
-      f"probes {entry['probe_ms']:.0f} ms, next due at step {entry['next_step']}")
+      f"probes {entry['probe_ms']:.0f} ms, "
+      + ("no more measurements unless scheduled" if entry["next_step"] is None
+         else f"next due at step {entry['next_step']}"))

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sparsejax.train import resize
+from sparsejax.train.optimizer import ChainState
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatch", "MANIFEST", "META",
            "write_manifest", "check_manifest"]
@@ -55,6 +56,25 @@ class CheckpointMismatch(ValueError):
 def _drop_empty(tree: Any) -> Any:
   """`tree` with every zero-size array replaced by None."""
   return jax.tree.map(lambda x: None if getattr(x, "size", 1) == 0 else x, tree)
+
+
+def _is_chain(x: Any) -> bool:
+  return isinstance(x, ChainState)
+
+
+# the compressor's step counter (per worker: its leading size is the number of workers), as a
+# checkpoint names it; before the chain's parts had names (a `ChainState`), by position
+_COUNT_NAMES = ("opt_state.inner_state.exchange.count", "opt_state.inner_state.0.count")
+
+
+def _as_written(kept: Any, saved: dict[str, tuple[int, ...]]) -> Any:
+  """`kept`, or with every `ChainState` a plain tuple when the checkpoint was written before the
+  chain's parts had names (it names them "0", "1", "2"). Same leaves in the same order."""
+  by_position = jax.tree.map(lambda x: tuple(x) if _is_chain(x) else x, kept, is_leaf=_is_chain)
+  names, old = set(resize.leaf_names(kept)), set(resize.leaf_names(by_position))
+  if names != old and not names <= saved.keys() and old <= saved.keys():
+    return by_position
+  return kept
 
 
 def _crc32(path: str) -> int:
@@ -204,33 +224,36 @@ class Checkpointer:
     self.wait()
     kept = _drop_empty(like)
     saved = self.saved_shapes(step)
-    names = resize.leaf_names(kept)
+    written = _as_written(kept, saved)
+    names = resize.leaf_names(written)
     differ = [(n, saved[n], x.shape) for n, x in zip(names, jax.tree.leaves(kept))
               if n in saved and saved[n] != x.shape]
     if differ:
-      workers = saved.get("opt_state.inner_state.0.count", (None,))[0]
+      workers = next((saved[n][0] for n in _COUNT_NAMES if saved.get(n)), None)
       if workers is None or workers == resize.workers_of(like):
         n, got, want = differ[0]
         raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} does not fit "
                                  f"this run: "
                          f"{n} has shape {got}, the run's state {want}")
-      restored = self._restore_resized(step, kept, saved, names)
+      restored = self._restore_resized(step, kept, saved, names, written)
     else:
-      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, kept)
-      restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, written)
+      restored = jax.tree.structure(kept).unflatten(jax.tree.leaves(
+          self.manager.restore(step, args=ocp.args.StandardRestore(abstract))))
     return jax.tree.map(lambda got, want: want if got is None else got, restored, like,
                         is_leaf=lambda x: x is None)
 
   def _restore_resized(self, step: int, like: Any, saved: dict[str, tuple[int, ...]],
-                       names: list[str]) -> Any:
-    """The state of `step` read with its own shapes (replicated), resized, placed as `like`."""
+                       names: list[str], written: Any) -> Any:
+    """The state of `step` read with its own shapes (replicated), resized, placed as `like`
+    (`written`: `like` as the checkpoint names its parts, `_as_written`)."""
     leaves, treedef = jax.tree.flatten(like)
     mesh = next(x.sharding.mesh for x in leaves if hasattr(x.sharding, "mesh"))
     whole = NamedSharding(mesh, PartitionSpec())
-    abstract = treedef.unflatten([jax.ShapeDtypeStruct(saved[n], x.dtype, sharding=whole)
-                                  for n, x in zip(names, leaves)])
+    abstract = jax.tree.structure(written).unflatten([
+        jax.ShapeDtypeStruct(saved[n], x.dtype, sharding=whole) for n, x in zip(names, leaves)])
     got = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), got)
+    host = treedef.unflatten([np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(got)])
     print(f"checkpoint step {step} was written by {resize.workers_of(host)} workers; resized "
           f"for {resize.workers_of(like)} (their memory keeps the update not yet sent)",
           flush=True)

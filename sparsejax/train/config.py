@@ -19,7 +19,7 @@ import ml_collections
 from sparsejax import comm
 
 __all__ = ["default_config", "validate", "apply_overrides", "load_config", "TARGET_METRICS",
-           "target_reached"]
+           "target_reached", "RENAMED", "RECIPES"]
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -36,6 +36,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.label_smoothing = 0.0
   c.optimizer = _optimizer_defaults()
   c.compression = _compression_defaults()
+  c.auto = _auto_defaults()
+  c.overlap = _overlap_defaults()
+  c.experimental = _experimental_defaults()
+  # a named recipe (sparsejax.train.recipes), applied by `validate` after every other key, so
+  # that its phases follow the run's length: "" | "onebit_adam"
+  c.recipe = ""
   c.log_every_steps = 10
   # Time to accuracy (DAWNBench): the wall time at which eval metric `target_metric` (e.g.
   # "top5_accuracy") first reaches `target_value` goes into summary.json. "" = not tracked;
@@ -102,61 +108,98 @@ def _optimizer_defaults() -> ml_collections.ConfigDict:
 
 
 def _compression_defaults() -> ml_collections.ConfigDict:
-  """The `compression` group: the exchange and its density schedule."""
+  """The `compression` group: the exchange a user configures (its options sit in the `auto`,
+  `overlap` and `experimental` groups)."""
   return ml_collections.ConfigDict({
-      # hitopk | higtopk | allgather | gtopk | hierarchical | dense | auto
+      # hitopk | higtopk | allgather | gtopk | hierarchical | dense | auto (the `auto` group)
       "algorithm": "hitopk",
       "density": 0.01,
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
       # DGC momentum correction: the SGD momentum (and weight decay) is accumulated before top-k
       # selection instead of in the optimizer (optimizer sgd with momentum > 0); with adamw,
-      # each worker's Adam moments are (the candidates are Adam directions; the moments are
-      # never masked). No effect with the dense algorithms (nothing is delayed there).
+      # each worker's Adam moments are. No effect with the dense algorithms (nothing is delayed
+      # there).
       "momentum_correction": False,
-      "momentum_masking": True,  # zero the velocity where sent (DGC); False: it runs on
-      # with adamw and momentum_correction: where Adam's first moment runs. "after": the
-      # exchange sends gradients over each worker's sqrt(second moment) (RMSprop-normalised,
-      # delayed sums keep their size) and the first moment is a momentum after it; "before":
-      # both moments per worker, the candidates are whole Adam directions.
-      "adam_first_moment": "after",
-      # "global": one top-k over the whole gradient; "tensor": each tensor's candidates scaled
-      # to an RMS near 1 first, so each gets about its share (plain error feedback only)
-      "balance": "global",
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
-      # algorithm "auto" (sparsejax.train.auto): the trainer chooses, on the host, between
-      # `auto_sparse` (with this group's density, warm-up and corrections) and its dense form
-      # (every candidate all-reduced, nothing kept back) from the link and compute it measures at
-      # the start and every `auto_every_steps` steps (0: only at the start; after the first,
-      # the link alone: a few small all-reduces), switching for a
-      # predicted gain over `auto_margin`. auto_step_factor: the sparse system's steps to the
-      # target over dense's (a property of the task and density: docs/auto.md has the measured
-      # ones). auto_schedule ((first_step, "dense" | "sparse" | "measured"), ...) fixes the
-      # choices instead ("measured": measured again from that step).
-      "auto_sparse": "hitopk",
-      "auto_step_factor": 1.1,
-      "auto_every_steps": 10,
-      "auto_margin": 0.05,
-      # ... and less often where a measurement's link probes would take more than this share
-      # of the steps between (0: every auto_every_steps steps exactly)
-      "auto_probe_budget": 0.02,
-      "auto_schedule": (),
-      # a one-step pipelined exchange (sparsejax.train.pipelined): each step computes its
-      # gradient while the previous step's is exchanged and applied (staleness 1). "" off;
-      # "device": two devices per worker, the gradient on the second (the CPU path; the CLI
-      # asks for twice mesh.num_devices, `sparsejax launch` needs --devices-per-proc 2 x);
-      # "program": both halves in one program (XLA's async collectives overlap them on GPU).
+      # the exchange's dense form (every candidate all-reduced, the residual emptied) for the
+      # first this-many epochs, then compressed: 1-bit Adam's dense start (recipe "onebit_adam")
+      "dense_epochs": 0.0,
+  })
+
+
+def _auto_defaults() -> ml_collections.ConfigDict:
+  """The `auto` group: how `compression.algorithm = "auto"` chooses (sparsejax.train.auto)."""
+  return ml_collections.ConfigDict({
+      # the sparse form auto chooses from (with the compression group's density, warm-up and
+      # corrections); the other is its dense form
+      "sparse": "hitopk",
+      # switch only for a predicted gain over this share
+      "margin": 0.05,
+      # the share of the run's time the link measurements may take: the next measurement comes
+      # after the fewest steps that keep them within it (0: measured once, at the start)
+      "probe_budget": 0.02,
+      # the sparse form's steps to the target over dense's, if the user knows it; 0: not set
+      # (auto then goes by what the run shows it)
+      "step_factor": 0.0,
+      # ((first_epoch, "dense" | "sparse" | "measured"), ...): the forms fixed by epoch instead
+      # of measured ("measured": measured again from there); () measures throughout
+      "schedule": (),
+  })
+
+
+def _overlap_defaults() -> ml_collections.ConfigDict:
+  """The `overlap` group: the one-step pipelined exchange (sparsejax.train.pipelined)."""
+  return ml_collections.ConfigDict({
+      # each step computes its gradient while the previous step's is exchanged and applied
+      # (staleness 1). "" off; "device": two devices per worker, the gradient on the second
+      # (the CPU path; the CLI asks for twice mesh.num_devices, `sparsejax launch` needs
+      # --devices-per-proc 2 x); "program": both halves in one program (XLA's async
+      # collectives overlap them on GPU).
       "pipeline": "",
-      # the first pipelined step, in epochs (the steps before it unpipelined: a late gradient
-      # costs most in the early, fast-moving steps)
-      "pipeline_from_epochs": 0.0,
+      # the first pipelined step, in epochs (the steps before it unpipelined)
+      "from_epochs": 0.0,
       # weight prediction: each pipelined gradient taken at a guess of the parameters it will
       # be applied at. "" off; "last": extrapolated by the last update (SpecTrain, PipeMare);
       # "local": plus the optimizer's update of the worker's own late gradient (not with
       # compression.momentum_correction)
-      "pipeline_predict": "",
+      "predict": "",
   })
+
+
+def _experimental_defaults() -> ml_collections.ConfigDict:
+  """The `experimental` group: exchange options from single studies (docs/pieces.md); the
+  defaults are what the studies recommend."""
+  return ml_collections.ConfigDict({
+      # with momentum correction: zero the velocity where sent (DGC); False: it runs on
+      "momentum_masking": True,
+      # with adamw and momentum_correction: where Adam's first moment runs. "after": the
+      # exchange sends gradients over each worker's sqrt(second moment) and the first moment
+      # is a momentum after it; "before": both moments per worker, the candidates are whole
+      # Adam directions.
+      "adam_first_moment": "after",
+      # "global": one top-k over the whole gradient; "tensor": each tensor's candidates scaled
+      # to an RMS near 1 first, so each gets about its share (plain error feedback only)
+      "balance": "global",
+  })
+
+
+# Keys that moved or went: a config naming one fails with one line naming the new key.
+RENAMED = {
+    "compression.auto_sparse": "auto.sparse",
+    "compression.auto_margin": "auto.margin",
+    "compression.auto_probe_budget": "auto.probe_budget",
+    "compression.auto_step_factor": "auto.step_factor (optional now: 0 leaves it unset)",
+    "compression.auto_schedule": "auto.schedule (in epochs now)",
+    "compression.auto_every_steps": "auto.probe_budget (the measurements' cadence follows it)",
+    "compression.pipeline": "overlap.pipeline",
+    "compression.pipeline_from_epochs": "overlap.from_epochs",
+    "compression.pipeline_predict": "overlap.predict",
+    "compression.momentum_masking": "experimental.momentum_masking",
+    "compression.adam_first_moment": "experimental.adam_first_moment",
+    "compression.balance": "experimental.balance",
+}
 
 
 def _close(key: str, known: list[str]) -> str:
@@ -185,7 +228,7 @@ def validate(config: Any) -> ml_collections.ConfigDict:
     for key in cfg.keys():
       name = prefix + key
       if key not in ref:
-        raise ValueError(f"unknown config key {name!r}{_close(key, list(ref.keys()))}")
+        _unknown(name, key, ref)
       value, default = cfg[key], ref[key]
       if isinstance(default, ml_collections.ConfigDict):
         if not isinstance(value, ml_collections.ConfigDict | dict):  # noqa: UP038
@@ -203,12 +246,25 @@ def validate(config: Any) -> ml_collections.ConfigDict:
 
   walk(config, full, "")
   _check_values(full)
+  if full.recipe:
+    from sparsejax.train import recipes
+    full = recipes.apply(full)
+    _check_values(full)
   return full
+
+
+def _unknown(name: str, key: str, ref: Any) -> None:
+  """Raises the error for an unknown key `name`: where it moved, if it did, else the closest
+  known keys."""
+  if name in RENAMED:
+    raise ValueError(f"config key {name!r} is now {RENAMED[name]}")
+  raise ValueError(f"unknown config key {name!r}{_close(key, list(ref.keys()))}")
 
 
 # eval metrics a run can aim at ("" = none); "loss" is better lower, the others higher
 TARGET_METRICS = ("", "accuracy", "top5_accuracy", "loss")
-AUTO_FORMS = ("dense", "sparse", "measured")  # the forms of compression.auto_schedule
+AUTO_FORMS = ("dense", "sparse", "measured")  # the forms of auto.schedule
+RECIPES = ("", "onebit_adam")  # config.recipe (sparsejax.train.recipes)
 
 
 def target_reached(metric: str, value: float, target: float) -> bool:
@@ -232,10 +288,13 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.optimizer.warmup_epochs >= 0, "optimizer.warmup_epochs", ">= 0")
   need(c.compression.algorithm in comm.ALGORITHMS + ("auto",),
        "compression.algorithm", f"one of {', '.join(comm.ALGORITHMS)}, auto")
-  _check_auto(c.compression, need)
+  _check_auto(c.auto, need)
   _check_pipeline_and_variance(c, need)
   need(0 < c.compression.density <= 1, "compression.density", "in (0, 1]")
   need(0 < c.compression.warmup_density <= 1, "compression.warmup_density", "in (0, 1]")
+  need(c.compression.warmup_epochs >= 0, "compression.warmup_epochs", ">= 0")
+  need(c.compression.dense_epochs >= 0, "compression.dense_epochs", ">= 0")
+  need(c.recipe in RECIPES, "recipe", f"one of {', '.join(repr(r) for r in RECIPES)}")
   if c.compression.momentum_correction:
     need((c.optimizer.name == "sgd" and 0 < c.optimizer.momentum < 1)
          or c.optimizer.name == "adamw", "optimizer.name",
@@ -243,13 +302,13 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
          f"is True (optimizer.momentum = {c.optimizer.momentum!r})")
     need(c.compression.error_feedback, "compression.error_feedback",
          "True when compression.momentum_correction is True")
-  need(c.compression.adam_first_moment in ("before", "after"), "compression.adam_first_moment",
-       "'before' or 'after'")
-  need(c.compression.balance in ("global", "tensor"), "compression.balance",
+  need(c.experimental.adam_first_moment in ("before", "after"),
+       "experimental.adam_first_moment", "'before' or 'after'")
+  need(c.experimental.balance in ("global", "tensor"), "experimental.balance",
        "'global' or 'tensor'")
-  if c.compression.balance == "tensor":
+  if c.experimental.balance == "tensor":
     need(not c.compression.momentum_correction and c.compression.error_feedback,
-         "compression.balance", "'global' with momentum correction or without error feedback")
+         "experimental.balance", "'global' with momentum correction or without error feedback")
   need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
   need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
@@ -274,45 +333,43 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], None]) -> None:
-  """The `compression.auto_*` keys."""
-  need(c.auto_sparse in comm.SPARSE_ALGORITHMS, "compression.auto_sparse",
+  """The `auto` group."""
+  need(c.sparse in comm.SPARSE_ALGORITHMS, "auto.sparse",
        f"one of {', '.join(comm.SPARSE_ALGORITHMS)}")
-  need(c.auto_step_factor > 0, "compression.auto_step_factor", "> 0")
-  need(c.auto_every_steps >= 0, "compression.auto_every_steps", ">= 0")
-  need(0 <= c.auto_margin < 1, "compression.auto_margin", "in [0, 1)")
-  need(0 <= c.auto_probe_budget < 1, "compression.auto_probe_budget", "in [0, 1)")
-  entries = c.auto_schedule
-  ok = all(isinstance(e, tuple | list) and len(e) == 2 and isinstance(e[0], int)
+  need(c.step_factor >= 0, "auto.step_factor", ">= 0 (0: not set)")
+  need(0 <= c.margin < 1, "auto.margin", "in [0, 1)")
+  need(0 <= c.probe_budget < 1, "auto.probe_budget", "in [0, 1)")
+  entries = c.schedule
+  ok = all(isinstance(e, tuple | list) and len(e) == 2 and isinstance(e[0], int | float)
            and not isinstance(e[0], bool) and e[1] in AUTO_FORMS for e in entries)
-  steps = [e[0] for e in entries] if ok else []
-  need(ok and steps == sorted(set(steps)) and (not steps or steps[0] == 0),
-       "compression.auto_schedule",
-       "((0, form), (step, form), ...) with rising steps, each form one of "
+  epochs = [e[0] for e in entries] if ok else []
+  need(ok and epochs == sorted(set(epochs)) and (not epochs or epochs[0] == 0),
+       "auto.schedule",
+       "((0, form), (epoch, form), ...) with rising epochs, each form one of "
        f"{', '.join(AUTO_FORMS)}")
 
 
 def _check_pipeline_and_variance(c: ml_collections.ConfigDict,
                                  need: Callable[[bool, str, str], None]) -> None:
-  """`compression.pipeline*` and `optimizer.freeze_variance_epochs`."""
+  """The `overlap` group and `optimizer.freeze_variance_epochs`."""
+  o = c.overlap
   need(c.optimizer.freeze_variance_epochs >= 0, "optimizer.freeze_variance_epochs", ">= 0")
   if c.optimizer.freeze_variance_epochs:
     need(c.optimizer.name == "adamw" and not c.compression.momentum_correction,
          "optimizer.freeze_variance_epochs",
          "0 unless optimizer.name is adamw without compression.momentum_correction")
-  need(c.compression.pipeline in ("", "program", "device"), "compression.pipeline",
+  need(o.pipeline in ("", "program", "device"), "overlap.pipeline",
        "'' (off), 'program' or 'device'")
-  need(c.compression.pipeline_from_epochs >= 0, "compression.pipeline_from_epochs", ">= 0")
-  need(c.compression.pipeline_predict in ("", "last", "local"), "compression.pipeline_predict",
-       "'' (off), 'last' or 'local'")
-  need(not c.compression.pipeline_predict or c.compression.pipeline,
-       "compression.pipeline_predict", "'' unless compression.pipeline is set")
-  if c.compression.pipeline_predict == "local":
+  need(o.from_epochs >= 0, "overlap.from_epochs", ">= 0")
+  need(o.predict in ("", "last", "local"), "overlap.predict", "'' (off), 'last' or 'local'")
+  need(not o.predict or o.pipeline, "overlap.predict", "'' unless overlap.pipeline is set")
+  if o.predict == "local":
     need(not (c.compression.momentum_correction
               and c.compression.algorithm in comm.SPARSE_ALGORITHMS),
-         "compression.pipeline_predict", "'' or 'last' with compression.momentum_correction "
+         "overlap.predict", "'' or 'last' with compression.momentum_correction "
          "(its optimizer is partly in the exchange: 'local' needs the optimizer alone)")
-  if c.compression.pipeline:
-    need(c.compression.algorithm != "auto", "compression.pipeline",
+  if o.pipeline:
+    need(c.compression.algorithm != "auto", "overlap.pipeline",
          "'' with compression.algorithm 'auto' (not pipelined yet)")
 
 
@@ -337,8 +394,7 @@ def apply_overrides(config: Any, overrides: list[str]) -> dict:
     node, ref_node = tree, ref
     for i, part in enumerate(parts):
       if part not in ref_node:
-        raise ValueError(f"unknown config key {'.'.join(parts[:i + 1])!r}"
-                         f"{_close(part, list(ref_node.keys()))}")
+        _unknown(".".join(parts[:i + 1]), part, ref_node)
       if i < len(parts) - 1:
         ref_node = ref_node[part]
         node = node.setdefault(part, {})

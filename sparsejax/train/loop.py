@@ -323,7 +323,7 @@ def _train_step(config: Any, setup: TrainSetup, state: Any,
                 auto: auto_lib.AutoExchange | None, steps_per_epoch: int, total_steps: int,
                 compute_mesh: Any) -> Callable:
   """The loop's `(step, state, *batch) -> (state, [metrics])`: pipelined where
-  `compression.pipeline` says so, else one compiled step per density level."""
+  `overlap.pipeline` says so, else one compiled step per density level."""
   if state.pending is None:
     return _per_level(setup, auto.level if auto else setup.density_level)
   return pipeline_lib.from_config(config, setup, state, steps_per_epoch=steps_per_epoch,
@@ -338,8 +338,8 @@ def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,
   density = schedules.density(config.compression, steps_per_epoch)
   return auto_lib.AutoExchange(
       config, setup, state, sparse_level=setup.density_level,
-      dense_level=optimizer_lib.dense_level_index(config.compression, density),
-      history=tally.exchange_choices)
+      dense_level=optimizer_lib.dense_level_index(config, density),
+      history=tally.exchange_choices, steps_per_epoch=steps_per_epoch)
 
 
 def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> dict[str, Any]:
@@ -348,7 +348,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
   # --- checks that need no compilation
   config = config_lib.validate(config)
   workdir = check_workdir(workdir)
-  placement = config.compression.pipeline
+  placement = config.overlap.pipeline
   mesh, compute_mesh = pipeline_lib.meshes(config.mesh.nodes, config.mesh.local, placement)
   if config.batch_size % mesh.size:
     raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "

@@ -1,10 +1,15 @@
 """The one place a config becomes the whole optimizer chain: what the config says is what runs.
 
     apply_if_finite_across(                  # a non-finite gradient on any worker: no change
-        chain(compressor,                    # topk_allreduce / dense_mean / hierarchical_mean
-              record_norm(),                 # the aggregated gradient's norm, for the metrics
-              fused optimizer),              # fused_sgd / lars / lamb / adamw on the flat buffer
+        named_chain(compressor,              # topk_allreduce / dense_mean / hierarchical_mean,
+                                             # then record_norm(): the aggregated gradient's norm
+                    fused optimizer),        # fused_sgd / lars / lamb / adamw on the flat buffer
         WORKERS)
+
+The chain's state is a `ChainState`, read by name, never by position: `exchange` (the
+compressor's `ExchangeState`, per worker), `norm` (record_norm's `NormState`) and `optimizer`
+(the fused optimizer's state). From a train state: `chain_parts(state.opt_state)`; rebuilt with
+`replace_parts(state.opt_state, exchange=...)`.
 
 With DGC momentum correction (`compression.momentum_correction` and a sparse algorithm) the
 config's momentum and Nesterov run in the compressor, on what has not been sent yet, its weight
@@ -30,10 +35,12 @@ from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["build_optimizer", "exchange_algorithm", "dense_level_index", "MomentumCorrection",
+__all__ = ["build_optimizer", "exchange_algorithm", "has_dense_form", "dense_steps",
+           "dense_level_index", "MomentumCorrection",
            "momentum_correction", "compressor",
            "fused_optimizer", "weight_decay_first", "train_chain", "density_level_fn",
-           "decay_mask", "NormState", "record_norm"]
+           "decay_mask", "NormState", "record_norm", "ChainState", "named_chain", "chain_parts",
+           "replace_parts"]
 
 
 def decay_mask(params: Any) -> Any:
@@ -56,6 +63,53 @@ def record_norm() -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda _: NormState(jnp.zeros([], jnp.float32)), update_fn)
 
 
+class ChainState(NamedTuple):
+  """The state of `named_chain` (and so of `train_chain`'s inner chain), part by part.
+
+  exchange: the compressor's state, an `ExchangeState` per worker (leading axis = workers).
+  norm: a `NormState`, the aggregated gradient's norm (a metric).
+  optimizer: the state of the optimizer behind the exchange (replicated).
+  """
+
+  exchange: Any
+  norm: NormState
+  optimizer: Any
+
+
+def named_chain(compress: optax.GradientTransformation,
+                optimizer: optax.GradientTransformation
+                ) -> optax.GradientTransformationExtraArgs:
+  """`optax.chain(compress, record_norm(), optimizer)` with its state a `ChainState` instead of
+  a tuple. As `optax.chain`: the parts run in that order, each gets `params` and every extra
+  keyword argument (`density_level`, ...) if it takes extra arguments, none otherwise."""
+  parts = ChainState(*(optax.with_extra_args_support(t)
+                       for t in (compress, record_norm(), optimizer)))
+
+  def init_fn(params: Any) -> ChainState:
+    return ChainState(*(t.init(params) for t in parts))
+
+  def update_fn(updates: Any, state: ChainState, params: Any = None, **extra_args: Any):
+    new_state = []
+    for t, s in zip(parts, state, strict=True):
+      updates, s = t.update(updates, s, params, **extra_args)
+      new_state.append(s)
+    return updates, ChainState(*new_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def chain_parts(opt_state: Any) -> ChainState:
+  """The `ChainState` inside the trainer's whole chain state (`train_chain`'s: an
+  `optax.ApplyIfFiniteState` around it)."""
+  return opt_state.inner_state
+
+
+def replace_parts(opt_state: Any, **parts: Any) -> Any:
+  """`opt_state` (`train_chain`'s) with the named parts of its `ChainState` replaced, e.g.
+  `replace_parts(opt_state, exchange=new_exchange)`."""
+  return opt_state._replace(inner_state=chain_parts(opt_state)._replace(**parts))
+
+
 class MomentumCorrection(NamedTuple):
   """DGC momentum correction as the compressor runs it (from the config's `optimizer` group)."""
 
@@ -65,36 +119,52 @@ class MomentumCorrection(NamedTuple):
   weight_decay: float  # added to the gradient in front of the compressor
 
 
-def exchange_algorithm(compression: Any) -> str:
-  """The algorithm the compressor is built for: `auto_sparse` under "auto" (which adds the
-  dense form), else `algorithm`."""
-  return compression.auto_sparse if compression.algorithm == "auto" else compression.algorithm
+def exchange_algorithm(config: Any) -> str:
+  """The algorithm a validated config's compressor is built for: `auto.sparse` under "auto"
+  (which adds the dense form), else `compression.algorithm`."""
+  c = config.compression
+  return config.auto.sparse if c.algorithm == "auto" else c.algorithm
+
+
+def has_dense_form(config: Any) -> bool:
+  """Whether the compressor also offers its dense form (`topk_allreduce(..., dense_level=True)`):
+  under "auto", and for a sparse algorithm with a dense start (`compression.dense_epochs`)."""
+  c = config.compression
+  return c.algorithm == "auto" or (c.dense_epochs > 0 and c.algorithm in SPARSE_ALGORITHMS)
+
+
+def dense_steps(config: Any, steps_per_epoch: int) -> int:
+  """The steps of the dense start (`compression.dense_epochs`), 0 without one."""
+  if not has_dense_form(config):
+    return 0
+  return round(config.compression.dense_epochs * steps_per_epoch)
 
 
 def momentum_correction(config: Any) -> MomentumCorrection | None:
   """The config's momentum correction, or None when it has none (off, or a dense exchange:
   nothing is delayed there)."""
   c, o = config.compression, config.optimizer
-  if not (c.momentum_correction and exchange_algorithm(c) in SPARSE_ALGORITHMS):
+  if not (c.momentum_correction and exchange_algorithm(config) in SPARSE_ALGORITHMS):
     return None
-  return MomentumCorrection(o.momentum, o.nesterov, c.momentum_masking, o.weight_decay)
+  return MomentumCorrection(o.momentum, o.nesterov, config.experimental.momentum_masking,
+                            o.weight_decay)
 
 
-def compressor(compression: Any, density_schedule: Callable | None = None,
+def compressor(config: Any, density_schedule: Callable | None = None,
                correction: MomentumCorrection | None = None,
                adam: AdamCorrection | None = None, layout: FlatLayout | None = None
                ) -> optax.GradientTransformation:
-  """The exchange of the config's `compression` group (with momentum or Adam correction if
-  given)."""
-  c = compression
+  """The exchange a validated config describes (its `compression` group, with `auto.sparse`
+  under "auto" and the `experimental` options), with momentum or Adam correction if given."""
+  c = config.compression
   corrected = {} if correction is None else {
       "momentum": correction.momentum, "nesterov": correction.nesterov,
       "momentum_masking": correction.masking}
   if adam is not None:
     corrected = {"adam": adam}
-  return topk_allreduce(c.density, algorithm=exchange_algorithm(c), selector=c.selector,
+  return topk_allreduce(c.density, algorithm=exchange_algorithm(config), selector=c.selector,
                         error_feedback=c.error_feedback, density_schedule=density_schedule,
-                        balance=c.balance, dense_level=c.algorithm == "auto",
+                        balance=config.experimental.balance, dense_level=has_dense_form(config),
                         segments=None if layout is None else layout.segment_ids, **corrected)
 
 
@@ -144,16 +214,18 @@ def weight_decay_first(inner: optax.GradientTransformation, weight_decay: float,
 
 def train_chain(compress: optax.GradientTransformation,
                 optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
-  """`apply_if_finite_across(chain(compress, record_norm(), optimizer), WORKERS)`: the shape
-  of every chain the trainer runs (`TrainState.comm_state` is the compressor's state)."""
-  return apply_if_finite_across(optax.chain(compress, record_norm(), optimizer), WORKERS)
+  """`apply_if_finite_across(named_chain(compress, optimizer), WORKERS)`: the shape of every
+  chain the trainer runs; its `inner_state` is a `ChainState` (`TrainState.comm_state` is its
+  `exchange` part)."""
+  return apply_if_finite_across(named_chain(compress, optimizer), WORKERS)
 
 
 def optimizer_behind_exchange(config: Any, layout: FlatLayout, *, steps_per_epoch: int,
                               total_steps: int) -> optax.GradientTransformation:
   """The optimizer behind the exchange in `build_optimizer`'s chain, alone (its state is the
-  chain's `inner_state[2]`), for a config without momentum correction: fed any gradient, it
-  makes the update the chain would make had the exchange returned that gradient."""
+  chain's `optimizer` part, `chain_parts(opt_state).optimizer`), for a config without momentum
+  correction: fed any gradient, it makes the update the chain would make had the exchange
+  returned that gradient."""
   if momentum_correction(config) is not None:
     raise ValueError("the optimizer behind the exchange is the optimizer alone only without "
                      "compression.momentum_correction (with it, part of it is in the exchange)")
@@ -170,13 +242,13 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
   if correction is not None and config.optimizer.name == "adamw":
     return _adam_corrected(config, layout, learning_rate, density)
   if correction is None:
-    return train_chain(compressor(config.compression, density, layout=layout),
+    return train_chain(compressor(config, density, layout=layout),
                        optimizer_behind_exchange(config, layout, steps_per_epoch=steps_per_epoch,
                                                  total_steps=total_steps))
   # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
   # with neither behind it.
   return train_chain(
-      weight_decay_first(compressor(config.compression, density, correction),
+      weight_decay_first(compressor(config, density, correction),
                          correction.weight_decay, layout),
       optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
                       weight_decay_mask=decay_mask, layout=layout))
@@ -191,34 +263,43 @@ def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.Scalar
   steady state -lr * wd * p a step, as AdamW's); "before": no momentum, -lr * (direction + wd * p).
   """
   o = config.optimizer
-  if config.compression.adam_first_moment == "before":
+  if config.experimental.adam_first_moment == "before":
     return train_chain(
-        compressor(config.compression, density, adam=AdamCorrection(o.b1, o.b2, o.eps)),
+        compressor(config, density, adam=AdamCorrection(o.b1, o.b2, o.eps)),
         optim.fused_sgd(learning_rate, momentum=None, nesterov=False,
                         weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
                         layout=layout))
   scaled = (lambda step: learning_rate(step) * (1 - o.b1)) if callable(learning_rate) else (
       learning_rate * (1 - o.b1))
   return train_chain(
-      compressor(config.compression, density, adam=AdamCorrection(0.0, o.b2, o.eps)),
+      compressor(config, density, adam=AdamCorrection(0.0, o.b2, o.eps)),
       optim.fused_sgd(scaled, momentum=o.b1, nesterov=False, weight_decay=o.weight_decay,
                       weight_decay_mask=decay_mask, layout=layout))
 
 
-def density_level_fn(compression: Any, density_schedule: Callable | None
-                     ) -> Callable[[int], int | None]:
+def density_level_fn(config: Any, density_schedule: Callable | None,
+                     steps_per_epoch: int = 1) -> Callable[[int], int | None]:
   """`step -> level`: the compressor's density level at a step (an index into its levels),
-  chosen on the host; None when the density has no schedule or the exchange is dense. Under
-  "auto" always a Python int (the sparse form's level; `dense_level_index` is the dense
-  form's)."""
-  if compression.algorithm == "auto" and density_schedule is None:
-    return lambda step: 0
-  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS + ("auto",):
+  chosen on the host; None when the density has no schedule or the exchange is dense. Where the
+  compressor has a dense form (`has_dense_form`) always a Python int: the dense form's
+  (`dense_level_index`) in the dense start (`compression.dense_epochs`), else the sparse
+  form's (under "auto", `sparsejax.train.auto` picks between the two after the dense start)."""
+  compression = config.compression
+  if has_dense_form(config):
+    levels = density_levels(compression.density)
+    dense, start = dense_level_index(config, density_schedule), dense_steps(config,
+                                                                            steps_per_epoch)
+    if density_schedule is None:
+      return lambda step: dense if step < start else 0
+    return lambda step: (dense if step < start
+                         else level_index(levels, float(density_schedule(step))))
+  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS:
     return lambda step: None
   levels = density_levels(compression.density)
   return lambda step: level_index(levels, float(density_schedule(step)))
 
 
-def dense_level_index(compression: Any, density_schedule: Callable | None) -> int:
-  """Under "auto": the level index of the compressor's dense form (its number of levels)."""
-  return len(density_levels(compression.density)) if density_schedule is not None else 1
+def dense_level_index(config: Any, density_schedule: Callable | None) -> int:
+  """The level index of the compressor's dense form (its number of levels), where it has one."""
+  return (len(density_levels(config.compression.density)) if density_schedule is not None
+          else 1)

@@ -1,5 +1,5 @@
 """A one-step pipelined exchange: step t's gradient is computed while step t-1's is exchanged and
-applied (Pipe-SGD; DGC and LAGS-SGD overlap the same way). Config `compression.pipeline`.
+applied (Pipe-SGD; DGC and LAGS-SGD overlap the same way). Config `overlap.pipeline`.
 
 Loop step t computes g_t at the current parameters p_t and applies g_{t-1}: p_{t+1} = p_t +
 update(g_{t-1}), so every gradient is applied one step late (staleness 1; the first step only
@@ -20,7 +20,7 @@ Two placements of the same arithmetic:
 
 A step's logged metrics are those of the gradient it applies (computed one step earlier).
 
-Weight prediction (`predict`, config `compression.pipeline_predict`): g_t is taken not at p_t
+Weight prediction (`predict`, config `overlap.predict`): g_t is taken not at p_t
 but at a guess of p_{t+1}, where it will be applied. With a perfect guess the run is the
 unpipelined run's, step for step.
 - "last" (SpecTrain, Chen et al. 2018; PipeMare): p_t + (p_t - p_{t-1}), the parameters
@@ -83,7 +83,7 @@ def split_devices(devices: Sequence[jax.Device]) -> tuple[list[jax.Device], list
     by_process.setdefault(d.process_index, []).append(d)
   odd = {p: len(ds) for p, ds in by_process.items() if len(ds) % 2}
   if odd:
-    raise ValueError(f"compression.pipeline='device' needs an even number of devices per "
+    raise ValueError(f"overlap.pipeline='device' needs an even number of devices per "
                      f"process (two per worker), got {odd} (process: devices); on CPU set "
                      "mesh.num_devices to twice the workers, or launch with "
                      "--devices-per-proc 2 x the workers per process")
@@ -145,7 +145,7 @@ class Pipeline:
   step (the steps before it run unpipelined, `step.train_step`: the early, fast-moving steps
   are where a late gradient costs most; the start step only computes). predict: weight
   prediction, one of `PREDICTIONS` (see the module). optimizer: for "local", the optimizer
-  behind the exchange in `setup.tx` (its state the chain's `inner_state[2]`).
+  behind the exchange in `setup.tx` (its state the chain's `optimizer` part).
   """
 
   def __init__(self, setup: TrainSetup, state_like: TrainState, level_of: Callable,
@@ -179,7 +179,7 @@ class Pipeline:
     pending (unexchanged) gradient and the optimizer's state; else nothing."""
     if self.predict != "local":
       return ()
-    return state.pending.grads, state.opt_state.inner_state[2]
+    return state.pending.grads, state.chain.optimizer
 
   def _compute_body(self, params, batch_stats, step, update, lead, inputs, labels) -> Pending:
     shift = None
@@ -315,16 +315,16 @@ class Pipeline:
 
 def from_config(config: Any, setup: TrainSetup, state_like: TrainState, *, steps_per_epoch: int,
                 total_steps: int, compute_mesh: Mesh | None = None) -> Pipeline:
-  """The pipeline a validated config's `compression.pipeline*` describe, for a run of
+  """The pipeline a validated config's `overlap` group describes, for a run of
   `total_steps` (`state_like` with its `pending`)."""
-  c = config.compression
+  o = config.overlap
   optimizer = None
-  if c.pipeline_predict == "local":
+  if o.predict == "local":
     optimizer = optimizer_lib.optimizer_behind_exchange(
         config, setup.layout, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-  return Pipeline(setup, state_like, setup.density_level, total_steps, c.pipeline, compute_mesh,
-                  start=round(c.pipeline_from_epochs * steps_per_epoch),
-                  predict=c.pipeline_predict, optimizer=optimizer)
+  return Pipeline(setup, state_like, setup.density_level, total_steps, o.pipeline, compute_mesh,
+                  start=round(o.from_epochs * steps_per_epoch),
+                  predict=o.predict, optimizer=optimizer)
 
 
 def meshes(nodes: int, local: int, placement: str) -> tuple[Mesh, Mesh | None]:

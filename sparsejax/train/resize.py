@@ -30,12 +30,14 @@ import numpy as np
 
 from sparsejax.compress import ExchangeState
 from sparsejax.feedback import Feedback
+from sparsejax.train.optimizer import chain_parts
 
 __all__ = ["leaf_names", "workers_of", "resize_state", "redistribute"]
 
 
 def leaf_names(tree: Any) -> list[str]:
-  """Each leaf's name as orbax writes it in a checkpoint ("opt_state.inner_state.0.count")."""
+  """Each leaf's name as orbax writes it in a checkpoint
+  ("opt_state.inner_state.exchange.count")."""
   def part(key: Any) -> str:
     for attr in ("name", "key", "idx"):
       if hasattr(key, attr):
@@ -47,7 +49,7 @@ def leaf_names(tree: Any) -> list[str]:
 
 def workers_of(state: Any) -> int:
   """The number of workers a train state was made for (its per-worker leading axis)."""
-  count = state.opt_state.inner_state[0].count
+  count = chain_parts(state.opt_state).exchange.count
   return int(np.shape(count)[0])
 
 
@@ -110,7 +112,7 @@ def resize_state(saved: Any, like: Any) -> Any:
 
   opt_state = jax.tree.map(opt, saved.opt_state, like.opt_state,
                            is_leaf=lambda x: isinstance(x, ExchangeState))
-  w_new = np.shape(like.opt_state.inner_state[0].count)[0]
+  w_new = workers_of(like)
   stats = jax.tree.map(lambda s: np.broadcast_to(np.asarray(s).mean(0, dtype=np.float64).astype(
       np.asarray(s).dtype), (w_new,) + np.shape(s)[1:]), saved.batch_stats)
   return type(saved)(np.asarray(saved.step), shared(saved.params), opt_state, stats)

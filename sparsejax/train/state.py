@@ -37,9 +37,9 @@ class TrainState(NamedTuple):
   step: int32[], steps done (also the data position: batches are a function of the step).
   params: float32[padded_size], the flat parameters (replicated).
   opt_state: the whole chain's state, an `optax.ApplyIfFiniteState` (its counters say how many
-    steps in a row were skipped) around `(compressor state, norm, optimizer state)`: the
-    compressor's `ExchangeState` per worker (leading axis = number of workers), the rest
-    replicated.
+    steps in a row were skipped) around an `optimizer.ChainState` (`chain_parts`): its
+    `exchange`, the compressor's `ExchangeState`, per worker (leading axis = number of workers);
+    its `norm` and `optimizer` replicated.
   batch_stats: BatchNorm running statistics per worker, leading axis = number of workers.
   pending: under a pipelined exchange (`sparsejax.train.pipelined`), the gradient computed and
     not yet applied, a `Pending` (per worker); None otherwise.
@@ -53,8 +53,13 @@ class TrainState(NamedTuple):
 
   @property
   def comm_state(self) -> ExchangeState:
-    """The compressor's state (per worker)."""
-    return self.opt_state.inner_state[0]
+    """The compressor's state (per worker): the chain's `exchange` part."""
+    return self.chain.exchange
+
+  @property
+  def chain(self) -> optimizer_lib.ChainState:
+    """The chain's state by name: `.exchange`, `.norm`, `.optimizer`."""
+    return optimizer_lib.chain_parts(self.opt_state)
 
   @property
   def consecutive_skips(self) -> jax.Array:
@@ -213,4 +218,4 @@ def from_config(config: Any, mesh: Mesh, num_classes: int, example: Any, *,
       build_model(config, num_classes), mesh, example, make_tx, seed=config.seed,
       num_classes=num_classes, label_smoothing=config.label_smoothing,
       learning_rate=schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps),
-      density_level=optimizer_lib.density_level_fn(config.compression, density))
+      density_level=optimizer_lib.density_level_fn(config, density, steps_per_epoch))

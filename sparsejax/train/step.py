@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsejax.data import images as image_ops
 from sparsejax.train.mesh import WORKERS
+from sparsejax.train.optimizer import chain_parts
 from sparsejax.train.state import TrainSetup, TrainState, map_per_worker, state_specs
 
 __all__ = ["gradient", "apply_gradient", "train_step", "eval_step", "jit_train_step",
@@ -103,7 +104,8 @@ def _local_metrics(setup: TrainSetup, loss, logits, labels) -> dict[str, jax.Arr
 def _exchange_metrics(setup: TrainSetup, step, opt_state) -> dict[str, jax.Array]:
   """The exchange's metrics (the same on every worker); `step`: the optimizer step it made."""
   skipped = ~opt_state.last_finite
-  comm_state, norm_state = opt_state.inner_state[0], opt_state.inner_state[1]
+  parts = chain_parts(opt_state)
+  comm_state, norm_state = parts.exchange, parts.norm
   # a skipped step sent nothing and its aggregated gradient is zero
   metrics = {"grad_norm": jnp.where(skipped, 0.0, norm_state.norm),
              "density": comm_state.density,
