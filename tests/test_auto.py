@@ -131,6 +131,7 @@ def scheduled_run(tmp_path_factory):
   return workdir, summary
 
 
+@pytest.mark.integration
 def test_a_scheduled_run_switches_forms_where_told(scheduled_run):
   workdir, summary = scheduled_run
   rows = read_csv(os.path.join(workdir, "train.csv"))
@@ -148,6 +149,7 @@ def test_a_scheduled_run_switches_forms_where_told(scheduled_run):
   assert summary["final_eval"]["accuracy"] > 0.2
 
 
+@pytest.mark.integration
 def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_run, tmp_path):
   workdir, summary = scheduled_run
   resumed = str(tmp_path / "resumed")
@@ -198,6 +200,7 @@ def test_probe_interval_stretches_the_cadence_to_the_budget():
   assert auto.probe_interval(0.3, 0.05, 0.01) == math.ceil(0.3 / (0.01 * 0.05))
 
 
+@pytest.mark.integration
 def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
   """Under a budget, the next measurement waits for `next_step`, set from the probes' measured
   time and the chosen form's step: at 0.01% of the run no 11-step run can carry a second one
@@ -212,6 +215,7 @@ def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
       c["probe_ms"] / 1e3, step_s, 1e-4) > 11
 
 
+@pytest.mark.integration
 def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tmp_path):
   """`compression.dense_epochs` (7 steps): dense to step 7 whatever the link (1-bit Adam's
   start), the first measurement at 7, then where the schedule asks (10 and 20)."""
@@ -230,6 +234,7 @@ def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tm
     assert (float(r["density"]) == 1.0) == (form == "dense"), r
 
 
+@pytest.mark.integration
 def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   summary = train_and_evaluate(auto_config(**{
       "auto.schedule": ((0, "measured"), (10 / STEPS_PER_EPOCH, "measured")),
@@ -249,6 +254,7 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   assert [float(r["dense"]) for r in rows] == [float(c["form"] == "dense") for c in choices]
 
 
+@pytest.mark.integration
 def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   """2 emulated nodes of one worker, ResNet-20 on digits: its dense exchange (1.1 MB) takes
   ~0.45 s at 20 Mbit/s against ~16 ms of compute a step, so auto starts sparse; the link is

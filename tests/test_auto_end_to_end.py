@@ -8,6 +8,9 @@ import pytest
 
 from experiments import auto_end_to_end as e2e
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 
 def _curve(times: list[float], losses: list[float]) -> list[dict]:
   return [{"step": 25 * (i + 1), "train_time_s": t, "loss": v}

@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 from experiments import bench_comm
+
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
 
 
 def test_local_mode_times_every_exchange(tmp_path):

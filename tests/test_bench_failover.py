@@ -4,9 +4,14 @@ trial end to end, and the table from given trials."""
 import json
 import re
 
+import pytest
+
 from experiments import bench_failover
 from sparsejax import cluster
 from tests.conftest import need_root
+
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
 
 
 def test_one_trial_end_to_end(tmp_path):

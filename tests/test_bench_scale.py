@@ -12,6 +12,9 @@ from experiments import bench_scale, node_scaling
 from sparsejax import comm
 from tests.conftest import need_root
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -22,6 +22,9 @@ from experiments.bench_failover import _running
 from sparsejax import cli, cluster
 from tests.conftest import need_root
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
 TOKEN = "SPARSEJAX_TEST_TOKEN"  # in the environment of one test's launched processes

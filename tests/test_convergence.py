@@ -6,6 +6,9 @@ import pytest
 
 from experiments import convergence
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 
 def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
   out = tmp_path / "results" / "convergence.json"

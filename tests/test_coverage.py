@@ -6,8 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import time_to_accuracy as tta
 from experiments import tta_systems
+
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
 
 SETS = [f"--set={s}" for s in tta_systems.QUICK_SETS]
 

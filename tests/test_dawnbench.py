@@ -15,6 +15,9 @@ import pytest
 from sparsejax.train import config as config_lib
 from sparsejax.train.loop import train_and_evaluate
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

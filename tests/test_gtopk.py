@@ -201,6 +201,7 @@ def test_bad_input_is_named():
     comm.sparse_collective("dense", AXES)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["higtopk", "gtopk"])
 def test_the_trainer_steps_with_gtopk(algorithm):
   """`compression.algorithm` = "higtopk" / "gtopk" in a config: the trainer's own step on a

@@ -4,8 +4,13 @@ that lost nothing."""
 
 import json
 
+import pytest
+
 from experiments import preemption
 from tests.conftest import need_root
+
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
 
 
 def test_a_run_that_loses_a_node_goes_on_and_reaches_the_target(tmp_path):

@@ -70,6 +70,7 @@ def read_densities(workdir):
 
 
 @pytest.mark.parametrize("chapters", [60, 140])
+@pytest.mark.integration
 def test_onebit_compresses_from_where_the_variance_is_frozen_on_any_corpus(tmp_path, chapters):
   """Two corpora of different lengths (the first 60 and 140 KJV chapters as a text file): in
   each the run sends dense until the step where AdamW's variance freezes, an eighth of its own

@@ -10,6 +10,9 @@ import pytest
 from experiments import scaling_model as sm
 from sparsejax import comm
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

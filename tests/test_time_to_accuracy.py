@@ -17,6 +17,9 @@ from sparsejax import cluster, models
 from sparsejax.compress import density_levels
 from tests.conftest import need_root
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_mlp.py")
 
 

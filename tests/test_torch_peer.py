@@ -12,6 +12,9 @@ from experiments import torch_peer
 from sparsejax import models
 from sparsejax.train.optimizer import decay_mask
 
+# end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch", reason="needs PyTorch: pip install -e '.[peers]' "
                             "torch==2.13.0")
 
