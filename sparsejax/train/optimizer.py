@@ -278,25 +278,22 @@ def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.Scalar
 
 
 def density_level_fn(config: Any, density_schedule: Callable | None,
-                     steps_per_epoch: int = 1) -> Callable[[int], int | None]:
+                     steps_per_epoch: int) -> Callable[[int], int | None]:
   """`step -> level`: the compressor's density level at a step (an index into its levels),
   chosen on the host; None when the density has no schedule or the exchange is dense. Where the
   compressor has a dense form (`has_dense_form`) always a Python int: the dense form's
   (`dense_level_index`) in the dense start (`compression.dense_epochs`), else the sparse
   form's (under "auto", `sparsejax.train.auto` picks between the two after the dense start)."""
-  compression = config.compression
-  if has_dense_form(config):
-    levels = density_levels(compression.density)
-    dense, start = dense_level_index(config, density_schedule), dense_steps(config,
-                                                                            steps_per_epoch)
-    if density_schedule is None:
-      return lambda step: dense if step < start else 0
-    return lambda step: (dense if step < start
-                         else level_index(levels, float(density_schedule(step))))
-  if density_schedule is None or compression.algorithm not in SPARSE_ALGORITHMS:
-    return lambda step: None
-  levels = density_levels(compression.density)
-  return lambda step: level_index(levels, float(density_schedule(step)))
+  levels = density_levels(config.compression.density)
+  scheduled = density_schedule is not None and (
+      has_dense_form(config) or config.compression.algorithm in SPARSE_ALGORITHMS)
+  sparse = ((lambda step: level_index(levels, float(density_schedule(step)))) if scheduled
+            else (lambda step: None))
+  if not has_dense_form(config):
+    return sparse
+  dense = dense_level_index(config, density_schedule)
+  start = dense_steps(config, steps_per_epoch)
+  return lambda step: dense if step < start else (sparse(step) or 0)
 
 
 def dense_level_index(config: Any, density_schedule: Callable | None) -> int:
