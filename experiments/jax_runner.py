@@ -48,26 +48,35 @@ class JaxRun:
       self.auto, self.auto_measures, self.step_fns = None, False, {}
       self.eval_fn = jit_eval_step(self.setup, self.state)
       return
-    self.auto = self._auto(config, first)
-    self.auto_measures = self.auto is not None and measuring(config)
-    extra = [self.auto.dense_level] if self.auto else []
+    extra = [self._dense_level(config)] if config.compression.algorithm == "auto" else []
     self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
         self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
+    self.auto = self._auto(config, first)
+    self.auto_measures = self.auto is not None and measuring(config)
     self.eval_fn = jit_eval_step(self.setup, self.state)
+
+  def _dense_level(self, config) -> int:
+    from sparsejax.train import optimizer as optimizer_lib
+    from sparsejax.train import schedules
+    density = schedules.density(config.compression, self.data.steps_per_epoch)
+    return optimizer_lib.dense_level_index(config, density)
 
   def _auto(self, config, first):
     """Algorithm "auto"'s chooser, its probes compiled (one measurement before the clock)."""
     if config.compression.algorithm != "auto":
       return None
-    from sparsejax.train import optimizer as optimizer_lib
-    from sparsejax.train import schedules
     from sparsejax.train.auto import AutoExchange
-    density = schedules.density(config.compression, self.data.steps_per_epoch)
     auto = AutoExchange(config, self.setup, self.state, sparse_level=self.setup.density_level,
-                        dense_level=optimizer_lib.dense_level_index(config, density),
-                        history=[], steps_per_epoch=self.data.steps_per_epoch)
-    auto.measure(self.state, first)
+                        dense_level=self._dense_level(config), history=[],
+                        steps_per_epoch=self.data.steps_per_epoch, total_steps=self.total,
+                        compiled=self.step_fns.__getitem__)
+    auto.measure(0, self.state, first)
     return auto
+
+  def aside(self):
+    """A context for work between steps that auto leaves out of the steps' time."""
+    import contextlib
+    return self.auto.paused(self.state) if self.auto is not None else contextlib.nullcontext()
 
   def batch(self, step: int):
     from sparsejax.train.state import shard_batch

@@ -175,25 +175,28 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
   every = config.eval_every_steps or run.total
   change = json.loads(args.link_change) if args and args.link_change else None
   curve, train_s = [], 0.0
+  aside = getattr(run, "aside", contextlib.nullcontext)  # what auto leaves out of its steps
   _barrier(run)
   sent0 = _link_bytes()
   seg = time.perf_counter()
   for step in range(run.total):
     if change is not None and step == change["step"]:
-      run.wait()
-      train_s += time.perf_counter() - seg
-      _set_link(run, args, lead, change["bps"])
+      with aside():
+        run.wait()
+        train_s += time.perf_counter() - seg
+        _set_link(run, args, lead, change["bps"])
       seg = time.perf_counter()
     run.step(step)
     done = step + 1
     if done % every == 0 or done == run.total:
-      run.wait()
-      train_s += time.perf_counter() - seg
-      sent = _link_bytes() - sent0
-      metrics = run.evaluate()
-      curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
-                    **{k: metrics[k] for k in ("accuracy", "loss") if k in metrics}})
-      _barrier(run)
+      with aside():  # (off auto's clock too)
+        run.wait()
+        train_s += time.perf_counter() - seg
+        sent = _link_bytes() - sent0
+        metrics = run.evaluate()
+        curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
+                      **{k: metrics[k] for k in ("accuracy", "loss") if k in metrics}})
+        _barrier(run)
       if (args is not None and args.stop_at_target and target_reached(
           config.target_metric, metrics[config.target_metric], config.target_value)):
         break

@@ -55,14 +55,11 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "compression.momentum_correction": True,
                                 "experimental.momentum_masking": False}),
     # compression.algorithm=auto (sparsejax.train.auto): the form chosen by measurement
-    # between dense and the sparse system named (its steps to target over dense's as the
-    # studies measured them: docs/auto.md)
+    # between dense and the sparse system named (no step factor: the run measures its lag)
     "auto-0.01-mc": ("jax", {"compression.algorithm": "auto", "compression.density": 0.01,
                              "compression.momentum_correction": True,
-                             "experimental.momentum_masking": False,
-                             "auto.step_factor": 0.83}),
-    "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05,
-                          "auto.step_factor": 1.22}),
+                             "experimental.momentum_masking": False}),
+    "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05}),
     # a dense finish: HiTopKComm (its density warm-up kept) to the step named of the
     # Transformer task's 457 a epoch, then its dense form (every candidate all-reduced, the
     # residual emptied) to the end of the recipe
@@ -93,10 +90,9 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "hitopk-0.1-1bit": ("jax", {"recipe": "onebit_adam", "compression.algorithm": "hitopk",
                                 "compression.density": 0.1}),
     # the same recipe with the form measured after the dense start: HiTopKComm 0.1 where the
-    # link is slow, dense (with the frozen variance: dense-fv) where it is fast (both reach the
-    # target at dense's step: a step factor of 1)
+    # link is slow, dense (with the frozen variance: dense-fv) where it is fast
     "auto-0.1-1bit": ("jax", {"recipe": "onebit_adam", "compression.algorithm": "auto",
-                              "compression.density": 0.1, "auto.step_factor": 1.0}),
+                              "compression.density": 0.1}),
     "dense-fv": ("jax", {"compression.algorithm": "dense",
                          "optimizer.freeze_variance_epochs": 0.125}),
     # the one-step pipelined exchange (sparsejax.train.pipelined) on two devices per worker:

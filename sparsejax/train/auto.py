@@ -4,34 +4,46 @@ The compressor is `auto.sparse` built with its dense form (`topk_allreduce(..., 
 one state, two forms, so a switch loses nothing (a dense step sends the residual).
 `AutoExchange` picks the form before a step, at the first step and again whenever the last
 measurement's cost allows (`auto.probe_budget`: the measurements take at most that share of the
-run's time, `probe_interval`), from what it measures then (every process the same probes, each
-figure the slowest process's, so all processes choose alike):
+run's time, `probe_interval`). No figure comes from the user or from another task: each
+measurement reads, from the run itself (every process the same probes, each figure the slowest
+process's, so all processes choose alike):
 
-  link     an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
-           that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
-           bandwidth (`fit_link`);
-  compute  the train step's forward and backward pass alone (`step.jit_compute_step`);
-  select   the sparse form's local work on one shard at its final k: MSTopK with error feedback
-           and the scatter-add of every node's pairs.
+  the step  the whole train step of a form, as the run takes it: at the first measurement
+            both forms' compiled steps timed on a copy of the state; later the form in force,
+            observed over the steps since the last measurement (evaluations and checkpoints
+            left out; a window restarts where the level changes);
+  link      an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
+            that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
+            bandwidth (`fit_link`);
+  gradient  one forward and backward pass: its time (logged as the compute) and the spread
+            of each node's gradient, ||g||_1^2 / (n ||g||_2^2) (1 for a flat gradient, 1/n for
+            a single value), averaged over the nodes;
+  select    the sparse form's local work on one shard at its final k: MSTopK with error feedback
+            and the scatter-add of every node's pairs.
 
-`predict` turns them into each form's step time with the library's cost model
-(`sparsejax.cost.exchange_time`: the dense form's all-reduce, the sparse form's collectives at
-the final density); `choose` compares the dense step with the sparse step times the step factor
-(the sparse system's steps to the target over dense's: `auto.step_factor` where the user sets
-it) and keeps the current form unless the other is predicted faster by more than `auto.margin`.
-Not modelled: the density warm-up's higher levels (their steps cost more than the final
-density's) and any overlap of the exchange with compute (the step runs them in sequence).
+`predict` moves each form's step to the link measured now with the library's cost model
+(`sparsejax.cost.exchange_time`): the form's step when last measured less its modelled exchange
+then, plus its modelled exchange now; the form just measured as measured. `choose` then weighs the forms' time over the rest of the run:
+error feedback sends each value late, so the sparse form's model lags the dense one's by about
+`lag_steps` = spread / (2 density) steps (a value whose share of the gradient's L1 norm is s
+waits about 1 / (2 k s) steps for its turn in the top k); the sparse form costs (remaining steps
++ lag) x its step against remaining x the dense step, and the form in force is kept unless the
+other is faster by more than `auto.margin`. Where the user knows the sparse form's steps to the
+target over dense's, `auto.step_factor` replaces the lag. Not modelled: the density warm-up's
+higher levels (their steps cost more than the final density's) and any overlap of the exchange
+with compute (the step runs them in sequence).
 
 `auto.schedule` fixes the forms by epoch instead (no measurement): for reproducible runs, the
 tests, and the fixed schedules a study compares auto with. A schedule's "measured" entries hand
 the choice back to the measurements from their epoch on. `compression.dense_epochs` runs the
 dense form first whatever the link (1-bit Adam's dense start: recipe "onebit_adam"), then the
-schedule or the measured form. Each choice, with the figures behind it, is printed, written to
-`auto.csv` and kept in the checkpoints' and summary.json's "exchange_choices".
+schedule or the measured form. Each choice, with the figures behind it (`describe`), is printed,
+written to `auto.csv` and kept in the checkpoints' and summary.json's "exchange_choices".
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
@@ -48,8 +60,8 @@ from sparsejax import comm, cost
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["Link", "Measurement", "fit_link", "predict", "choose", "probe_interval", "scheduled",
-           "measuring", "AutoExchange", "FORMS"]
+__all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "lag_steps", "step_factor",
+           "choose", "probe_interval", "scheduled", "measuring", "AutoExchange", "FORMS"]
 
 FORMS = ("dense", "sparse")
 PROBE_SMALL = 1024  # floats per worker in the small link probe (4 KiB)
@@ -68,8 +80,12 @@ class Measurement(NamedTuple):
   """What one measurement found (seconds)."""
 
   link: Link
+  form: str         # the form whose whole step was measured
+  step_s: float     # its step
   compute_s: float  # the step's forward and backward pass
   select_s: float   # the sparse form's local work on one shard
+  spread: float     # ||g||_1^2 / (n ||g||_2^2) of a node's gradient (mean over nodes), (0, 1]
+  how: str = "timed"  # how the step was measured: "timed" here, or "observed over N steps"
 
 
 def fit_link(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
@@ -95,20 +111,58 @@ def _cluster(m: Measurement, nodes: int, local: int) -> cost.Cluster:
                       allreduce_pipelined=True)
 
 
-def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
-            local: int) -> dict[str, float]:
-  """Seconds of one step in each form: {"dense": ..., "sparse": ...} (compute plus exchange,
-  in sequence), for an `n`-value gradient exchanged by `algorithm` at `density`."""
+def exchange_s(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
+               local: int) -> dict[str, float]:
+  """The modelled seconds of each form's exchange (the sparse form's local work included) on
+  the measured link: {"dense": ..., "sparse": ...}."""
   cl = _cluster(m, nodes, local)
-  dense = cost.exchange_time(comm.dense_form(algorithm), n, 1.0, cl)["total"]
-  sparse = cost.exchange_time(algorithm, n, density, cl)["total"]
-  return {"dense": m.compute_s + dense, "sparse": m.compute_s + sparse}
+  return {"dense": cost.exchange_time(comm.dense_form(algorithm), n, 1.0, cl)["total"],
+          "sparse": cost.exchange_time(algorithm, n, density, cl)["total"]}
+
+
+def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
+            local: int, rest: dict[str, float] | None = None) -> dict[str, float]:
+  """Seconds of one step in each form. The measured form's as measured; the other's its `rest`
+  (its step less its modelled exchange, from the last time it was measured; by default the
+  measured form's, at least 0) plus its modelled exchange on the link measured now. (Not the
+  compute probe as a floor: over processes its scalar all-reduce waits for the slowest, and on
+  2 emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
+  exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
+  rest = {**(rest or {}), m.form: m.step_s - exchange[m.form]}
+  return {f: m.step_s if f == m.form
+          else max(rest.get(f, rest[m.form]), 0.0) + exchange[f] for f in FORMS}
+
+
+def rests(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
+          local: int, steps: dict[str, float]) -> dict[str, float]:
+  """Each form's step in `steps` (measured on the link of `m`) less its modelled exchange
+  there: the part of the step the link does not change (`predict`'s `rest`)."""
+  exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
+  return {f: s - exchange[f] for f, s in steps.items()}
+
+
+def lag_steps(spread: float, density: float) -> float:
+  """Steps the sparse form's model lags the dense one's under error feedback: a gradient of
+  constant values g_i, k of n sent a step, sends value i every |g|_1 / (k |g_i|) steps; weighted
+  by the values' share of the squared norm, the wait is |g|_1^2 / (2 k |g|_2^2) = spread /
+  (2 density) steps (about 1 / (pi density) for a Gaussian gradient, less the more the gradient's
+  mass sits in few values)."""
+  if not 0 < density <= 1:
+    raise ValueError(f"lag_steps: density {density} is not in (0, 1]")
+  return 0.0 if density == 1 else spread / (2 * density)
+
+
+def step_factor(lag: float, remaining: int) -> float:
+  """The sparse form's steps over the dense form's for the `remaining` steps of a run when it
+  lags `lag` steps: (remaining + lag) / remaining."""
+  return (max(remaining, 1) + lag) / max(remaining, 1)
 
 
 def choose(step_s: dict[str, float], step_factor: float, current: str | None,
            margin: float) -> str:
   """The form with the shorter predicted time to the target (the sparse step times
-  `step_factor`), the `current` one unless the other is faster by more than `margin`."""
+  `step_factor`: `step_factor(lag, remaining)`, or the user's `auto.step_factor`), the `current`
+  one unless the other is faster by more than `margin`."""
   to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * step_factor}
   best = min(FORMS, key=lambda f: to_target[f])
   if current is None or best == current:
@@ -266,16 +320,26 @@ def _slowest(values: Sequence[float]) -> list[float]:
 
 # ----------------------------------------------------------------------------- the controller
 
+def _other(form: str) -> str:
+  return "sparse" if form == "dense" else "dense"
+
+
 class AutoExchange:
   """Chooses the compressor's form before each step (see the module's docstring).
 
   `level(step)` is the compressor's density level of the chosen form (the sparse form's from its
   density schedule; `dense_level` for the dense form); `before_step` measures and chooses where
-  due. `history` (a list it appends to; carried through checkpoints by the caller) holds every
-  choice with the figures behind it."""
+  due, and times the steps between measurements; the loop runs evaluations and checkpoints
+  inside `paused()`, which leaves them out. `compiled(level)` is the loop's compiled train step
+  at a level (the first measurement times the dense one on a copy of the state). `history` (a
+  list it appends to; carried through checkpoints by the caller) holds every choice with the
+  figures behind it."""
+
+  MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
-               dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int):
+               dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
+               total_steps: int, compiled: Callable[[int], Callable]):
     from sparsejax.train import step as step_lib  # (step imports state, which needs no auto)
     c = config.compression
     self.compression, self.options = c, config.auto
@@ -283,17 +347,23 @@ class AutoExchange:
     self.setup = setup
     self.sparse_level, self.dense_level = sparse_level, dense_level
     self.history = history
+    self.total_steps = total_steps
+    self.compiled = compiled
     mesh = setup.mesh
     self.nodes, self.local = mesh.shape["node"], mesh.shape["local"]
     self.n = setup.layout.padded_size
     hierarchical = config.auto.sparse in comm.HIERARCHICAL_ALGORITHMS
     self.shard = self.n // self.local if hierarchical else self.n
     self.k = max(1, round(c.density * self.shard))
-    self._compute = step_lib.jit_compute_step(setup, state_like)
-    self._first: Measurement | None = None  # this process's first measurement
+    self._gradient = step_lib.jit_gradient_spread(setup, state_like)
+    self._fixed: tuple[float, float] | None = None  # (compute_s, select_s), measured once
+    self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
-    self.probe_s = 0.0  # the last link probes' timed calls, seconds (the slowest process's)
+    self.probe_s = 0.0  # the last measurement's timed calls, seconds (the slowest process's)
     self.lead = jax.process_index() == 0
+    # the steps timed since the last measurement: (level, first step, its start, paused seconds)
+    self._window: tuple[int, int, float, float] | None = None
+    self._open_at: int | None = None  # the step whose start opens the next window
 
   @property
   def form(self) -> str | None:
@@ -325,59 +395,155 @@ class AutoExchange:
     interval = probe_interval(self.probe_s, step_s, self.options.probe_budget)
     return None if interval is None else step + interval
 
-  def measure(self, state: Any, batch: Sequence[jax.Array]) -> Measurement:
-    """The link, compute and local-work probes (each the slowest process's); after this
-    process's first measurement the link alone (compute and selection do not change with it,
-    and the compute pass is the dearest probe: a step's forward and backward, four times)."""
+  # --- timing the steps the run takes
+
+  @contextlib.contextmanager
+  def paused(self, state: Any) -> Any:
+    """Leaves what runs inside (an evaluation, a checkpoint) out of the steps' time: the steps
+    dispatched before it are waited for first."""
+    if self._window is None:
+      yield
+      return
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      level, first, start, paused = self._window
+      self._window = (level, first, start, paused + time.perf_counter() - t0)
+
+  def _observe(self, step: int, state: Any) -> tuple[int, float, int] | None:
+    """Closes the window at the start of `step`: (its level, seconds a step, steps), or None
+    if fewer than MIN_WINDOW steps of one level ran in it."""
+    if self._window is None:
+      return None
+    level, first, start, paused = self._window
+    self._window = None
+    if step - first < self.MIN_WINDOW:
+      return None
+    jax.block_until_ready(state)
+    return level, (time.perf_counter() - start - paused) / (step - first), step - first
+
+  def _track(self, step: int, state: Any) -> None:
+    """Opens a window at `_open_at` (the steps after a measurement: the chosen form compiled)
+    and restarts it where the level changes (a new level compiles in its first step)."""
+    level = self.level(step)
+    if self._window is not None and self._window[0] != level:
+      self._window, self._open_at = None, step + 1
+    if self._open_at is not None and step >= self._open_at:
+      jax.block_until_ready(state)
+      self._window, self._open_at = (level, step, time.perf_counter(), 0.0), None
+
+  def _level_of(self, form: str, step: int) -> int:
+    """The level a form's step is timed at: the dense level, or the sparse form's final one
+    (the model's exchange is the final density's)."""
+    return self.dense_level if form == "dense" else self.sparse_level(self.total_steps - 1)
+
+  def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array]) -> float:
+    """The median seconds of the compiled train step at `level` on a copy of `state` (each call
+    takes the last one's output: the step donates its input), after one untimed call."""
+    fn = self.compiled(level)
+    copy = jax.tree.map(jnp.copy, state)
+    copy, _ = fn(copy, *batch)
+    jax.block_until_ready(copy)
+    times = []
+    for _ in range(PROBE_REPS):
+      t0 = time.perf_counter()
+      copy, _ = fn(copy, *batch)
+      jax.block_until_ready(copy)
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+  def measure(self, step: int, state: Any, batch: Sequence[jax.Array]) -> Measurement:
+    """The link, the gradient and, once, the selection probes; the whole step of the form in
+    force as the run took it since the last measurement, or its compiled step timed here where
+    no such window exists (at the first measurement both forms'); each figure the slowest
+    process's. Each form's step less its modelled exchange is kept for `predict`."""
+    observed = self._observe(step, state)
     # (the guide is the same on every process: fitted from the slowest times)
-    link, self._link, self.probe_s = _probe_link(self.setup.mesh, self.shard, self._link)
-    if self._first is None:
-      compute, select = _slowest([
-          _timed(self._compute, state, *batch),
-          _probe_select(self.compression.selector, self.shard, self.k, self.nodes)])
-      self._first = Measurement(link, compute, select)
-    return self._first._replace(link=link)
+    link, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
+    if self._fixed is None:  # one untimed call (compilation), then the median of three
+      compute_s = _timed(self._gradient, state, *batch)
+      select_s = _probe_select(self.compression.selector, self.shard, self.k, self.nodes)
+    else:
+      compute_s, select_s = self._fixed
+    t0 = time.perf_counter()
+    spread = float(jax.device_get(self._gradient(state, *batch)))
+    gradient_s = time.perf_counter() - t0
+    other_s = math.nan
+    if observed is not None:
+      level, step_s, steps = observed
+      form = "dense" if level == self.dense_level else "sparse"
+      how = f"observed over {steps} steps"
+    else:  # the form in force (dense before the first choice), timed here
+      form, how = self.form or "dense", "timed"
+      step_s = self._time_step(self._level_of(form, step), state, batch)
+      if not self._rest:  # the first measurement: the other form's step too
+        other_s = self._time_step(self._level_of(_other(form), step), state, batch)
+    compute_s, select_s, step_s, other_s, self.probe_s = _slowest(
+        [compute_s, select_s, step_s, other_s, link_s + gradient_s])
+    self._fixed = (compute_s, select_s)
+    m = Measurement(link, form, step_s, compute_s, select_s, spread, how)
+    steps = {form: step_s} if math.isnan(other_s) else {form: step_s, _other(form): other_s}
+    self._rest.update(rests(m, algorithm=self.options.sparse, n=self.n,
+                            density=self.compression.density, nodes=self.nodes,
+                            local=self.local, steps=steps))
+    return m
 
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
-    """Measures and chooses where due; logs the choice."""
+    """Measures and chooses where due; logs the choice; times the steps between."""
     if not self._due(step):
+      self._track(step, state)
       return
     c = self.compression
     entry: dict[str, Any] = {"step": step}
     form = self._scheduled(step)
     if form != "measured":
+      self._window = None
       entry.update(form=form, why="schedule")
     else:
-      m = self.measure(state, batch)
+      m = self.measure(step, state, batch)
       a = self.options
       step_s = predict(m, algorithm=a.sparse, n=self.n, density=c.density,
-                       nodes=self.nodes, local=self.local)
-      factor = a.step_factor or 1.0
+                       nodes=self.nodes, local=self.local, rest=self._rest)
+      lag = lag_steps(m.spread, c.density)
+      remaining = self.total_steps - step
+      factor = a.step_factor or step_factor(lag, remaining)
       form = choose(step_s, factor, self.form, a.margin)
       entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, compute_ms=1e3 * m.compute_s,
-                   select_ms=1e3 * m.select_s, dense_step_ms=1e3 * step_s["dense"],
-                   sparse_step_ms=1e3 * step_s["sparse"], step_factor=factor,
+                   select_ms=1e3 * m.select_s, measured=m.form, measured_step_ms=1e3 * m.step_s,
+                   how=m.how, dense_step_ms=1e3 * step_s["dense"],
+                   sparse_step_ms=1e3 * step_s["sparse"], spread=m.spread, lag_steps=lag,
+                   remaining_steps=remaining, step_factor=factor,
+                   factor_from="auto.step_factor" if a.step_factor else "lag",
                    probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
     self.history.append(entry)
+    self._open_at = step + 1
     if self.lead:
       print(describe(entry, c, self.options), flush=True)
       writer.write("auto", step, {"dense": float(entry["form"] == "dense"), **{
-          k: v for k, v in entry.items() if k not in ("step", "why", "form") and v is not None}})
+          k: v for k, v in entry.items()
+          if isinstance(v, (int, float)) and k != "step" and v is not None}})
 
 
 def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
   """One log line for a choice (`options`: the config's `auto` group)."""
   sparse = f"{options.sparse} {compression.density:g}"
-  source = "auto.step_factor" if options.step_factor else "not set: 1"
   head = f"sparsejax auto: step {entry['step']}: "
   if entry["why"] != "measured":
     return head + f"{entry['form']} ({entry['why']})"
+  if entry.get("factor_from") == "lag":
+    factor = (f"(1 + lag {entry['lag_steps']:.1f} / {entry['remaining_steps']} steps left; "
+              f"spread {entry['spread']:.3f})")
+  else:
+    factor = "(auto.step_factor)"
   return head + (
-      f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call, compute "
+      f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call; "
+      f"{entry['measured']} step {entry['measured_step_ms']:.1f} ms ({entry['how']}), compute "
       f"{entry['compute_ms']:.1f} ms, selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
-      f"{entry['step_factor']:g} steps ({source}) = "
+      f"{entry['step_factor']:.3g} {factor} = "
       f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
       f"probes {entry['probe_ms']:.0f} ms, "
       + ("no more measurements unless scheduled" if entry["next_step"] is None

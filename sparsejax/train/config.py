@@ -140,8 +140,8 @@ def _auto_defaults() -> ml_collections.ConfigDict:
       # the share of the run's time the link measurements may take: the next measurement comes
       # after the fewest steps that keep them within it (0: measured once, at the start)
       "probe_budget": 0.02,
-      # the sparse form's steps to the target over dense's, if the user knows it; 0: not set
-      # (auto then goes by what the run shows it)
+      # the sparse form's steps to the target over dense's, where the user knows it for this
+      # task; 0: not set, auto weighs the lag it measures in the run's gradient instead
       "step_factor": 0.0,
       # ((first_epoch, "dense" | "sparse" | "measured"), ...): the forms fixed by epoch instead
       # of measured ("measured": measured again from there); () measures throughout

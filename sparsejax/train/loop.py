@@ -231,11 +231,17 @@ class _Job:
     if done < self.total_steps and ((config.eval_every_steps
                                      and done % config.eval_every_steps == 0)
                                     or done in self.stage_ends):
-      state = self.run_eval(state, done)
+      with self.aside(state):
+        state = self.run_eval(state, done)
     if (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
         and done < self.total_steps):
-      state = self.save(state, done)
+      with self.aside(state):
+        state = self.save(state, done)
     return state
+
+  def aside(self, state: Any) -> Any:
+    """A context for work between steps that algorithm "auto" leaves out of the steps' time."""
+    return self.auto.paused(state) if self.auto is not None else contextlib.nullcontext()
 
 
 def _train(job: _Job, state: Any, start: int, show: bool,
@@ -305,33 +311,42 @@ def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
   return {round(start * steps_per_epoch) for start, _, _ in stages[1:]}
 
 
-def _per_level(setup: TrainSetup, level_of: Callable[[int], int | None]) -> Callable:
-  """`(step, state, *batch) -> (state, [metrics])`: the step compiled once per density level,
-  the level chosen on the host from the step (`level_of`)."""
-  train_steps: dict[int | None, Any] = {}
+class _PerLevel:
+  """The train step compiled once per density level."""
 
-  def train_step(step, state, *batch):
-    level = level_of(step)
-    if level not in train_steps:
-      train_steps[level] = step_lib.jit_train_step(setup, state, level)
-    state, metrics = train_steps[level](state, *batch)
-    return state, [metrics]
-  return train_step
+  def __init__(self, setup: TrainSetup, state_like: Any):
+    self.setup, self.state_like = setup, state_like
+    self._steps: dict[int | None, Callable] = {}
+
+  def compiled(self, level: int | None) -> Callable:
+    """`(state, *batch) -> (state, metrics)` at `level` (jitted on first use, the state
+    donated)."""
+    if level not in self._steps:
+      self._steps[level] = step_lib.jit_train_step(self.setup, self.state_like, level)
+    return self._steps[level]
+
+  def by(self, level_of: Callable[[int], int | None]) -> Callable:
+    """`(step, state, *batch) -> (state, [metrics])`, the level chosen on the host from the
+    step (`level_of`)."""
+    def train_step(step, state, *batch):
+      state, metrics = self.compiled(level_of(step))(state, *batch)
+      return state, [metrics]
+    return train_step
 
 
-def _train_step(config: Any, setup: TrainSetup, state: Any,
+def _train_step(config: Any, setup: TrainSetup, state: Any, per_level: _PerLevel,
                 auto: auto_lib.AutoExchange | None, steps_per_epoch: int, total_steps: int,
                 compute_mesh: Any) -> Callable:
   """The loop's `(step, state, *batch) -> (state, [metrics])`: pipelined where
   `overlap.pipeline` says so, else one compiled step per density level."""
   if state.pending is None:
-    return _per_level(setup, auto.level if auto else setup.density_level)
+    return per_level.by(auto.level if auto else setup.density_level)
   return pipeline_lib.from_config(config, setup, state, steps_per_epoch=steps_per_epoch,
                                   total_steps=total_steps, compute_mesh=compute_mesh)
 
 
-def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,
-          tally: _Tally) -> auto_lib.AutoExchange | None:
+def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int, total_steps: int,
+          tally: _Tally, per_level: _PerLevel) -> auto_lib.AutoExchange | None:
   """The chooser of algorithm "auto" (None for the others), its history carried in `tally`."""
   if config.compression.algorithm != "auto":
     return None
@@ -339,7 +354,8 @@ def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int,
   return auto_lib.AutoExchange(
       config, setup, state, sparse_level=setup.density_level,
       dense_level=optimizer_lib.dense_level_index(config, density),
-      history=tally.exchange_choices, steps_per_epoch=steps_per_epoch)
+      history=tally.exchange_choices, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+      compiled=per_level.compiled)
 
 
 def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> dict[str, Any]:
@@ -373,9 +389,10 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
     cleanup.callback(writer.close)
     summary_path = os.path.join(workdir, "summary.json")
     tally = _Tally.resume(summary_path, start, ckpt.meta(start))
-    auto = _auto(config, setup, state, steps_per_epoch, tally)
-    job = _Job(config, setup, data, _train_step(config, setup, state, auto, steps_per_epoch,
-                                                total_steps, compute_mesh),
+    per_level = _PerLevel(setup, state)
+    auto = _auto(config, setup, state, steps_per_epoch, total_steps, tally, per_level)
+    job = _Job(config, setup, data, _train_step(config, setup, state, per_level, auto,
+                                                steps_per_epoch, total_steps, compute_mesh),
                step_lib.jit_eval_step(setup, state), step_lib.jit_sync_batch_stats(mesh), ckpt,
                writer, tally, steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch),
                auto)
