@@ -71,7 +71,10 @@ def mnist(seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayDataset]:
     path = os.path.join(list(spec.submodule_search_locations)[0], "data", "mnist.pkl.gz")
   with gzip.open(path, "rb") as f:
     train, valid, test = _ArraysOnly(f, encoding="latin1").load()
-  pixels = lambda x: np.clip(np.round(np.asarray(x) * 256), 0, 255).reshape(-1, 28, 28, 1)
+
+  def pixels(x):
+    return np.clip(np.round(np.asarray(x) * 256), 0, 255).reshape(-1, 28, 28, 1)
+
   train_x = pixels(np.concatenate([train[0], valid[0]])).astype(np.float32)
   train_y = np.concatenate([train[1], valid[1]]).astype(np.int32)
   test_x, test_y = pixels(test[0]).astype(np.float32), np.asarray(test[1], np.int32)

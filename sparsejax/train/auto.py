@@ -23,7 +23,8 @@ process's, so all processes choose alike):
 
 `predict` moves each form's step to the link measured now with the library's cost model
 (`sparsejax.cost.exchange_time`): the form's step when last measured less its modelled exchange
-then, plus its modelled exchange now; the form just measured as measured. `choose` then weighs the forms' time over the rest of the run:
+then, plus its modelled exchange now; the form just measured as measured. `choose` then weighs
+the forms' time over the rest of the run:
 error feedback sends each value late, so the sparse form's model lags the dense one's by about
 `lag_steps` = spread / (2 density) steps (a value whose share of the gradient's L1 norm is s
 waits about 1 / (2 k s) steps for its turn in the top k); the sparse form costs (remaining steps
@@ -60,8 +61,9 @@ from sparsejax import comm, cost
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "lag_steps", "step_factor",
-           "choose", "probe_interval", "scheduled", "measuring", "AutoExchange", "FORMS"]
+__all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "lag_steps",
+           "step_factor", "choose", "probe_interval", "scheduled", "measuring", "AutoExchange",
+           "FORMS"]
 
 FORMS = ("dense", "sparse")
 PROBE_SMALL = 1024  # floats per worker in the small link probe (4 KiB)
