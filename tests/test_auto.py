@@ -77,7 +77,7 @@ def test_predict_moves_the_measured_step_to_the_other_form(nodes, local, measure
   exchange = {"dense": intra + link.fixed_s + dense_link / link.bytes_per_s,
               "sparse": intra + select_s + link.fixed_s + sparse_link / link.bytes_per_s}
   step_s = rng.uniform(0.05, 0.1) + exchange[measured]
-  m = auto.Measurement(link, measured, step_s, compute_s=0.01, select_s=select_s, spread=0.5)
+  m = auto.Measurement(link, measured, step_s, select_s=select_s, spread=0.5)
   other = "sparse" if measured == "dense" else "dense"
   got = auto.predict(m, algorithm="hitopk", n=n, density=density, nodes=nodes, local=local)
   assert got[measured] == step_s
@@ -302,15 +302,17 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   form = None
   for c in choices:
     assert c["why"] == "measured"
-    assert c["compute_ms"] > 0 and c["select_ms"] > 0 and c["link_MBps"] > 0
-    # (not against compute_ms: under load the gradient probe can outlast a whole step)
+    assert c["select_ms"] > 0 and c["link_MBps"] > 0
     assert min(c["sparse_step_ms"], c["dense_step_ms"], c["measured_step_ms"]) > 0
     form = auto.choose({"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]},
                        c["step_factor"], form, 0.05)
     assert c["form"] == form
   # the first choice timed both forms' compiled steps; the second saw the form in force run
   # (steps 1-9: the step after a measurement opens the window; the evaluation at 10 left out)
-  assert choices[0]["how"] == "timed" and choices[1]["how"] == "observed over 9 steps", choices
+  # (a sparse form's window restarts where its density warm-up changes level)
+  assert choices[0]["how"] == "timed", choices
+  observed = [9] if choices[0]["form"] == "dense" else range(auto.AutoExchange.MIN_WINDOW, 10)
+  assert choices[1]["how"] in [f"observed over {n} steps" for n in observed], choices
   assert choices[1]["measured"] == choices[0]["form"]
   rows = read_csv(tmp_path / "auto.csv")
   assert [int(r["step"]) for r in rows] == [0, 10]
@@ -348,7 +350,8 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
   assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
-  assert "dense" in [c["form"] for c in choices[1:]], choices  # ... and auto switched to dense
+  assert "dense" in [c["form"] for c in choices[1:]], (  # ... and auto switched to dense
+      choices, "\n".join(line for line in out.getvalue().splitlines() if "auto:" in line))
   # Each choice is the one its own figures call for, from the form before it (on a loaded
   # machine a later probe can still measure the lifted link slow enough for sparse: one CI run's
   # did at 1.5x, and switching back is then right).

@@ -15,9 +15,9 @@ process's, so all processes choose alike):
   link      an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
             that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
             bandwidth (`fit_link`);
-  gradient  one forward and backward pass: its time (logged as the compute) and the spread
-            of each node's gradient, ||g||_1^2 / (n ||g||_2^2) (1 for a flat gradient, 1/n for
-            a single value), averaged over the nodes;
+  gradient  one forward and backward pass for the spread of each node's gradient,
+            ||g||_1^2 / (n ||g||_2^2) (1 for a flat gradient, 1/n for a single value),
+            averaged over the nodes;
   select    the sparse form's local work on one shard at its final k: MSTopK with error feedback
             and the scatter-add of every node's pairs.
 
@@ -84,7 +84,6 @@ class Measurement(NamedTuple):
   link: Link
   form: str         # the form whose whole step was measured
   step_s: float     # its step
-  compute_s: float  # the step's forward and backward pass
   select_s: float   # the sparse form's local work on one shard
   spread: float     # ||g||_1^2 / (n ||g||_2^2) of a node's gradient (mean over nodes), (0, 1]
   how: str = "timed"  # how the step was measured: "timed" here, or "observed over N steps"
@@ -126,9 +125,9 @@ def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: in
             local: int, rest: dict[str, float] | None = None) -> dict[str, float]:
   """Seconds of one step in each form. The measured form's as measured; the other's its `rest`
   (its step less its modelled exchange, from the last time it was measured; by default the
-  measured form's, at least 0) plus its modelled exchange on the link measured now. (Not the
-  compute probe as a floor: over processes its scalar all-reduce waits for the slowest, and on
-  2 emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
+  measured form's, at least 0) plus its modelled exchange on the link measured now. (No compute
+  probe as a floor: over processes its scalar all-reduce waits for the slowest, and on 2
+  emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
   exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
   rest = {**(rest or {}), m.form: m.step_s - exchange[m.form]}
   return {f: m.step_s if f == m.form
@@ -358,7 +357,7 @@ class AutoExchange:
     self.shard = self.n // self.local if hierarchical else self.n
     self.k = max(1, round(c.density * self.shard))
     self._gradient = step_lib.jit_gradient_spread(setup, state_like)
-    self._fixed: tuple[float, float] | None = None  # (compute_s, select_s), measured once
+    self._select_s: float | None = None  # the sparse form's local work, measured once
     self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self.probe_s = 0.0  # the last measurement's timed calls, seconds (the slowest process's)
@@ -464,11 +463,10 @@ class AutoExchange:
     observed = self._observe(step, state)
     # (the guide is the same on every process: fitted from the slowest times)
     link, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
-    if self._fixed is None:  # one untimed call (compilation), then the median of three
-      compute_s = _timed(self._gradient, state, *batch)
+    select_s = self._select_s
+    if select_s is None:  # one untimed call of each (compilation), then the selection's median
       select_s = _probe_select(self.compression.selector, self.shard, self.k, self.nodes)
-    else:
-      compute_s, select_s = self._fixed
+      jax.block_until_ready(self._gradient(state, *batch))
     t0 = time.perf_counter()
     spread = float(jax.device_get(self._gradient(state, *batch)))
     gradient_s = time.perf_counter() - t0
@@ -482,10 +480,10 @@ class AutoExchange:
       step_s = self._time_step(self._level_of(form, step), state, batch)
       if not self._rest:  # the first measurement: the other form's step too
         other_s = self._time_step(self._level_of(_other(form), step), state, batch)
-    compute_s, select_s, step_s, other_s, self.probe_s = _slowest(
-        [compute_s, select_s, step_s, other_s, link_s + gradient_s])
-    self._fixed = (compute_s, select_s)
-    m = Measurement(link, form, step_s, compute_s, select_s, spread, how)
+    select_s, step_s, other_s, self.probe_s = _slowest(
+        [select_s, step_s, other_s, link_s + gradient_s])
+    self._select_s = select_s
+    m = Measurement(link, form, step_s, select_s, spread, how)
     steps = {form: step_s} if math.isnan(other_s) else {form: step_s, _other(form): other_s}
     self._rest.update(rests(m, algorithm=self.options.sparse, n=self.n,
                             density=self.compression.density, nodes=self.nodes,
@@ -513,8 +511,8 @@ class AutoExchange:
       factor = a.step_factor or step_factor(lag, remaining)
       form = choose(step_s, factor, self.form, a.margin)
       entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
-                   call_ms=1e3 * m.link.fixed_s, compute_ms=1e3 * m.compute_s,
-                   select_ms=1e3 * m.select_s, measured=m.form, measured_step_ms=1e3 * m.step_s,
+                   call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,
+                   measured_step_ms=1e3 * m.step_s,
                    how=m.how, dense_step_ms=1e3 * step_s["dense"],
                    sparse_step_ms=1e3 * step_s["sparse"], spread=m.spread, lag_steps=lag,
                    remaining_steps=remaining, step_factor=factor,
@@ -542,8 +540,8 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
     factor = "(auto.step_factor)"
   return head + (
       f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call; "
-      f"{entry['measured']} step {entry['measured_step_ms']:.1f} ms ({entry['how']}), compute "
-      f"{entry['compute_ms']:.1f} ms, selection {entry['select_ms']:.1f} ms -> step dense "
+      f"{entry['measured']} step {entry['measured_step_ms']:.1f} ms ({entry['how']}), "
+      f"selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
       f"{entry['step_factor']:.3g} {factor} = "
       f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
