@@ -52,13 +52,15 @@ from experiments.results_io import (  # noqa: E402
 STUDY = os.path.join(ROOT, "experiments", "time_to_accuracy.py")
 
 
-def train_at(config: str, system: str, bandwidth: str, seeds: int, sets: list[str],
+def train_at(config: str, systems: list[str], bandwidth: str, seeds: int, sets: list[str],
              log) -> dict[str, Any]:
-  """The study's runs phase for `system` alone, the link at `bandwidth` throughout, each run
-  stopped at the target: its results (train rows with curves and auto's forms)."""
+  """The study's runs phase for `systems` (seed by seed, the systems in turn), the link at
+  `bandwidth` throughout, each run stopped at the target: its results (train rows with curves
+  and auto's forms)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "run.json")
-    cmd = [sys.executable, STUDY, "--config", config, "--systems", system, "--phases", "runs",
+    cmd = [sys.executable, STUDY, "--config", config, "--systems", ",".join(systems),
+           "--phases", "runs",
            "--seeds", str(seeds), "--bandwidths", bandwidth, "--headline", bandwidth,
            "--stop-at-target", "--out", out] + [a for s in sets for a in ("--set", s)]
     subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -66,9 +68,9 @@ def train_at(config: str, system: str, bandwidth: str, seeds: int, sets: list[st
       return json.load(f)
 
 
-def auto_runs(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
+def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
   """Per seed of `system` in a study's results: measured steps and train time to the target,
-  and the forms auto ran (step, form) where it changed."""
+  and the forms auto ran (step, form) where it changed (none for a fixed system)."""
   metric, target = tta_analysis.target_metric(results), results["meta"]["target"]
   out = []
   for r in results.get("train", []):
@@ -88,12 +90,17 @@ def _median(values) -> float | None:
 
 
 def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
-          system: str) -> dict[str, Any]:
-  """One bandwidth's comparison: auto's measured time to target against the reference's fixed
-  systems there, its exposed exchange against DDP's, and the verdicts."""
+          system: str, trained: dict[str, list[dict[str, Any]]] | None = None
+          ) -> dict[str, Any]:
+  """One bandwidth's comparison: auto's measured time to target against the fixed systems
+  there (those `trained` end to end beside it, measured the same way; the others the
+  reference's steps to target x swept step), its exposed exchange against DDP's, and the
+  verdicts."""
   analysis = reference["analysis"]
   times = {s: e["predicted_time_to_target_s"].get(bandwidth) for s, e in analysis.items()
            if s != system and e["predicted_time_to_target_s"].get(bandwidth)}
+  measured = {s: [x["time_s"] for x in r] for s, r in (trained or {}).items()}
+  times.update(measured)
   fixed = {s: _median(v) for s, v in times.items() if not s.startswith("torch")}
   best = min(fixed, key=lambda s: fixed[s])
   ddp = _median(times["torch-ddp"])
@@ -111,7 +118,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
           "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
-          "fixed_time_s": times, "best_fixed": best,
+          "fixed_time_s": times, "fixed_trained": sorted(measured), "best_fixed": best,
           "auto_over_best": med / fixed[best] if med else None,
           "ddp_over_auto": over_ddp, "ddp_over_auto_needed": need,
           "auto_exposed_s": exposed, "ddp_exposed_s": ddp_exposed,
@@ -132,11 +139,15 @@ def table(results: dict[str, Any]) -> str:
   m = results["meta"]
   rows = results["rows"]
   fixed = sorted({s for row in rows for s in row["fixed_time_s"]})
+  trained = sorted({s for row in rows for s in row.get("fixed_trained", [])})
+  beside = (f"{', '.join(trained)} trained end to end beside it the same way (seed by seed, "
+            "the systems in turn); the others " if trained else "")
   lines = [f"`{m['system']}` trained end to end at each link (its measured train time to "
            f"{m['target_metric']} {m['target']}, probes included, {m['seeds']} seeds min / "
-           "median / max) against the reference study's fixed systems (steps to target x step "
-           f"time measured at that link; `{m['reference']}`). R: dense exchange / compute. "
-           "Needed over DDP: 1.5x where R >= 2, 1x where R >= 1, 1 / parity below:", "",
+           f"median / max) against the fixed systems: {beside}from the reference study "
+           f"(steps to target x step time measured at that link; `{m['reference']}`). R: "
+           "dense exchange / compute. Needed over DDP: 1.5x where R >= 2, 1x where R >= 1, "
+           "1 / parity below:", "",
            "| link | R | auto s | " + " | ".join(f"{s} s" for s in fixed)
            + " | auto / best fixed | DDP / auto (needed) |", "|---|---:|" + "---:|" * (
                len(fixed) + 3)]
@@ -170,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                   "parity, the fixed systems and torch-ddp swept at every --bandwidths)")
   ap.add_argument("--bandwidths", required=True, help="where to train auto, each swept in "
                   "the reference")
+  ap.add_argument("--fixed", default="", help="study systems (comma-separated) trained end to "
+                  "end beside auto at each link and judged from those runs, not from the "
+                  "reference's predicted times")
   ap.add_argument("--seeds", type=int, default=3)
   ap.add_argument("--out", type=json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON", help="no runs: auto's runs from this "
@@ -180,19 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.from_results) as f:
       results = json.load(f)
   else:
-    results = {"runs": {}, "meta": {
+    fixed = [s.strip() for s in args.fixed.split(",") if s.strip()]
+    results = {"runs": {}, "fixed_runs": {}, "meta": {
         "system": args.system, "seeds": args.seeds, "machine": platform.machine(),
         "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
         "command": command_line("experiments/auto_end_to_end.py",
                                 list(sys.argv[1:] if argv is None else argv))}}
     for bandwidth in [b.strip() for b in args.bandwidths.split(",")]:
-      results["runs"][bandwidth] = auto_runs(train_at(
-          args.config, args.system, bandwidth, args.seeds, args.sets, sys.stdout), args.system)
+      done = train_at(args.config, [args.system, *fixed], bandwidth, args.seeds, args.sets,
+                      sys.stdout)
+      results["runs"][bandwidth] = runs_of(done, args.system)
+      results["fixed_runs"][bandwidth] = {s: runs_of(done, s) for s in fixed}
       print(json.dumps({bandwidth: results["runs"][bandwidth]}), flush=True)
   results["meta"].update(reference=portable_path(args.reference),
                          target=reference["meta"]["target"],
                          target_metric=tta_analysis.target_metric(reference))
-  results["rows"] = [judge(reference, bw, runs, results["meta"]["system"])
+  results["rows"] = [judge(reference, bw, runs, results["meta"]["system"],
+                           results.get("fixed_runs", {}).get(bw))
                      for bw, runs in results["runs"].items()]
   text = table(results)
   print(text)

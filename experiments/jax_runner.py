@@ -62,7 +62,8 @@ class JaxRun:
     return optimizer_lib.dense_level_index(config, density)
 
   def _auto(self, config, first):
-    """Algorithm "auto"'s chooser, its probes compiled (one measurement before the clock)."""
+    """Algorithm "auto"'s chooser, its probes and both forms' steps run once before the
+    clock (compiled: the first measurement, on the clock, times both forms)."""
     if config.compression.algorithm != "auto":
       return None
     from sparsejax.train.auto import AutoExchange
@@ -70,7 +71,7 @@ class JaxRun:
                         dense_level=self._dense_level(config), history=[],
                         steps_per_epoch=self.data.steps_per_epoch, total_steps=self.total,
                         compiled=self.step_fns.__getitem__)
-    auto.measure(0, self.state, first)
+    auto.compile(self.state, first)
     return auto
 
   def aside(self):

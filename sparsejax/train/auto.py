@@ -130,8 +130,11 @@ def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: in
   emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
   exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
   rest = {**(rest or {}), m.form: m.step_s - exchange[m.form]}
-  return {f: m.step_s if f == m.form
-          else max(rest.get(f, rest[m.form]), 0.0) + exchange[f] for f in FORMS}
+  rest = {f: rest.get(f, rest[m.form]) for f in FORMS}
+  # the dense form does no local work the sparse one skips: its rest is at most the sparse
+  # form's (a dense step timed on a slow link leaves a rest as uncertain as its exchange is long)
+  rest["dense"] = min(rest["dense"], rest["sparse"])
+  return {f: m.step_s if f == m.form else max(rest[f], 0.0) + exchange[f] for f in FORMS}
 
 
 def rests(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
@@ -358,6 +361,7 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._gradient = step_lib.jit_gradient_spread(setup, state_like)
     self._select_s: float | None = None  # the sparse form's local work, measured once
+    self._warm: set[int] = set()  # the levels whose step has run here (compiled)
     self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self.probe_s = 0.0  # the last measurement's timed calls, seconds (the slowest process's)
@@ -442,11 +446,14 @@ class AutoExchange:
 
   def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array]) -> float:
     """The median seconds of the compiled train step at `level` on a copy of `state` (each call
-    takes the last one's output: the step donates its input), after one untimed call."""
+    takes the last one's output: the step donates its input), after one untimed call where
+    this level has not run here yet (`compile`)."""
     fn = self.compiled(level)
     copy = jax.tree.map(jnp.copy, state)
-    copy, _ = fn(copy, *batch)
-    jax.block_until_ready(copy)
+    if level not in self._warm:
+      copy, _ = fn(copy, *batch)
+      jax.block_until_ready(copy)
+      self._warm.add(level)
     times = []
     for _ in range(PROBE_REPS):
       t0 = time.perf_counter()
@@ -454,6 +461,22 @@ class AutoExchange:
       jax.block_until_ready(copy)
       times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+  def compile(self, state: Any, batch: Sequence[jax.Array]) -> None:
+    """Runs what a measurement runs once, untimed, so that the first measurement times no
+    compilation: the link probes, the gradient pass, each form's step (on a copy of `state`);
+    the selection, which does not depend on the link, is measured here. For a caller that keeps
+    compilation off its clock (a benchmark); a run that skips it pays it in its first
+    measurement."""
+    _, self._link, _ = _probe_link(self.setup.mesh, self.shard, None)  # (sizes the next one)
+    self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
+                                              self.nodes)])
+    jax.block_until_ready(self._gradient(state, *batch))
+    for form in FORMS:
+      level = self._level_of(form, 0)
+      copy, _ = self.compiled(level)(jax.tree.map(jnp.copy, state), *batch)
+      jax.block_until_ready(copy)
+      self._warm.add(level)
 
   def measure(self, step: int, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, the gradient and, once, the selection probes; the whole step of the form in
@@ -463,32 +486,39 @@ class AutoExchange:
     observed = self._observe(step, state)
     # (the guide is the same on every process: fitted from the slowest times)
     link, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
-    select_s = self._select_s
-    if select_s is None:  # one untimed call of each (compilation), then the selection's median
-      select_s = _probe_select(self.compression.selector, self.shard, self.k, self.nodes)
+    if self._select_s is None:  # one untimed call of each (compilation), then the median
+      self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
+                                                self.nodes)])
       jax.block_until_ready(self._gradient(state, *batch))
     t0 = time.perf_counter()
     spread = float(jax.device_get(self._gradient(state, *batch)))
     gradient_s = time.perf_counter() - t0
-    other_s = math.nan
+    model = dict(algorithm=self.options.sparse, n=self.n, density=self.compression.density,
+                 nodes=self.nodes, local=self.local)
+    exchange = exchange_s(Measurement(link, "dense", 0.0, self._select_s, spread), **model)
     if observed is not None:
       level, step_s, steps = observed
       form = "dense" if level == self.dense_level else "sparse"
       how = f"observed over {steps} steps"
-    else:  # the form in force (dense before the first choice), timed here
-      form, how = self.form or "dense", "timed"
-      step_s = self._time_step(self._level_of(form, step), state, batch)
-      if not self._rest:  # the first measurement: the other form's step too
-        other_s = self._time_step(self._level_of(_other(form), step), state, batch)
-    select_s, step_s, other_s, self.probe_s = _slowest(
-        [select_s, step_s, other_s, link_s + gradient_s])
-    self._select_s = select_s
-    m = Measurement(link, form, step_s, select_s, spread, how)
-    steps = {form: step_s} if math.isnan(other_s) else {form: step_s, _other(form): other_s}
-    self._rest.update(rests(m, algorithm=self.options.sparse, n=self.n,
-                            density=self.compression.density, nodes=self.nodes,
-                            local=self.local, steps=steps))
+      step_s, self.probe_s = _slowest([step_s, link_s + gradient_s])
+      steps = {form: step_s}
+    else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
+      form, how = self.form or min(FORMS, key=exchange.__getitem__), "timed"
+      step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
+      steps = {form: step_s}
+      if _other(form) not in self._rest:  # the first measurement: the other form's step too
+        steps[_other(form)] = self._time_step(self._level_of(_other(form), step), state, batch)
+      values = _slowest([*steps.values(), link_s + gradient_s])
+      steps, self.probe_s = dict(zip(steps, values)), values[-1]
+    m = Measurement(link, form, steps[form], self._select_s, spread, how)
+    self._rest.update(rests(m, **model, steps=steps))
     return m
+
+  def _factor(self, step: int, spread: float) -> float:
+    """The sparse form's steps over the dense form's from `step` on (`auto.step_factor`, else
+    from the lag)."""
+    lag = lag_steps(spread, self.compression.density)
+    return self.options.step_factor or step_factor(lag, self.total_steps - step)
 
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
     """Measures and chooses where due; logs the choice; times the steps between."""
@@ -506,9 +536,8 @@ class AutoExchange:
       a = self.options
       step_s = predict(m, algorithm=a.sparse, n=self.n, density=c.density,
                        nodes=self.nodes, local=self.local, rest=self._rest)
-      lag = lag_steps(m.spread, c.density)
-      remaining = self.total_steps - step
-      factor = a.step_factor or step_factor(lag, remaining)
+      lag, remaining = lag_steps(m.spread, c.density), self.total_steps - step
+      factor = self._factor(step, m.spread)
       form = choose(step_s, factor, self.form, a.margin)
       entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 __all__ = ["learning_rate", "density", "image_size", "resize_stages"]
@@ -44,8 +46,11 @@ def density(comp: ml_collections.ConfigDict, steps_per_epoch: int) -> optax.Sche
   ratio = math.log(target / start)
 
   def schedule(count):
-    frac = jnp.minimum(jnp.asarray(count, jnp.float32) / steps, 1.0)
-    return start * jnp.exp(ratio * frac)
+    # numpy for a host count: the loop picks each step's level on the host, and a jnp value
+    # read back there would wait for the steps in flight (host and device in lockstep)
+    xp = jnp if isinstance(count, jax.Array) else np
+    frac = xp.minimum(xp.asarray(count, xp.float32) / steps, 1.0)
+    return start * xp.exp(ratio * frac)
   return schedule
 
 
