@@ -392,3 +392,16 @@ def test_a_task_where_sparse_needs_more_steps_keeps_dense_at_a_fast_link(tmp_pat
     assert c["factor_from"] == "lag" and c["lag_steps"] > 0.5 * c["remaining_steps"], c
   # the later choices rest on the dense steps the run took, not on a probe
   assert any(c["how"].startswith("observed over") for c in choices[1:]), choices
+
+
+def test_a_form_known_only_from_its_timing_gets_what_the_run_adds_to_the_one_observed():
+  timed = {"dense": 0.010, "sparse": 0.0125}
+  # sparse observed in the run 3 ms over its timing: dense, not yet seen, moves by as much
+  got = auto.with_run_costs({"sparse": 0.0155}, "sparse", timed, {"sparse"})
+  assert got == pytest.approx({"sparse": 0.0155, "dense": 0.013})
+  # a later window of sparse: dense still from its timing plus the new addition
+  got = auto.with_run_costs({"sparse": 0.0165}, "sparse", timed, {"sparse"})
+  assert got == pytest.approx({"sparse": 0.0165, "dense": 0.014})
+  # once dense is seen itself, its own observation stands
+  got = auto.with_run_costs({"sparse": 0.02}, "sparse", timed, {"sparse", "dense"})
+  assert got == {"sparse": 0.02}
