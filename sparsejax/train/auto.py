@@ -130,11 +130,8 @@ def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: in
   emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
   exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
   rest = {**(rest or {}), m.form: m.step_s - exchange[m.form]}
-  rest = {f: rest.get(f, rest[m.form]) for f in FORMS}
-  # the dense form does no local work the sparse one skips: its rest is at most the sparse
-  # form's (a dense step timed on a slow link leaves a rest as uncertain as its exchange is long)
-  rest["dense"] = min(rest["dense"], rest["sparse"])
-  return {f: m.step_s if f == m.form else max(rest[f], 0.0) + exchange[f] for f in FORMS}
+  return {f: m.step_s if f == m.form else max(rest.get(f, rest[m.form]), 0.0) + exchange[f]
+          for f in FORMS}
 
 
 def rests(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
