@@ -160,11 +160,14 @@ class ImageNetInputs:
 
 
 def text_inputs(data_cfg: Any, batch_size: int, seed: int) -> Any:
-  """kjv (the King James Bible) or text (data.path: a file or directory): split by document,
+  """kjv (the King James Bible), python_docs (the Python 3.11 documentation's sources) or text
+  (data.path: a file or directory): split by document,
   BPE-tokenized (cached), packed to data.seq_len."""
   from sparsejax.data import text
   if data_cfg.name == "kjv":
     docs = text.kjv_documents()
+  elif data_cfg.name == "python_docs":
+    docs = text.python_docs(data_cfg.path)
   elif not data_cfg.path:
     raise ValueError("dataset 'text' needs data.path: a UTF-8 text file or a directory of .txt")
   else:
@@ -177,7 +180,7 @@ def text_inputs(data_cfg: Any, batch_size: int, seed: int) -> Any:
                          batch_size, seed)
 
 
-TEXT_DATASETS = ("kjv", "text")
+TEXT_DATASETS = ("kjv", "python_docs", "text")
 # wmt14: TFDS wmt14_translate/de-en (en -> de) under data.path; parallel: a TSV file at data.path
 TRANSLATION_DATASETS = ("wmt14", "parallel")
 

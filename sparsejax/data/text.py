@@ -24,8 +24,8 @@ import numpy as np
 
 from sparsejax.data.batching import EpochOrder, padded_batches, process_share
 
-__all__ = ["kjv_documents", "text_documents", "split_documents", "bpe_tokenizer", "Tokenizer",
-           "pack", "TextInputs", "PAD", "UNK", "BOS", "EOS"]
+__all__ = ["kjv_documents", "python_docs", "PYTHON_DOCS_DIR", "text_documents", "split_documents",
+           "bpe_tokenizer", "Tokenizer", "pack", "TextInputs", "PAD", "UNK", "BOS", "EOS"]
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 _VERSE = re.compile(r"\b\d+:\d+\s+")
@@ -51,6 +51,21 @@ def kjv_documents() -> list[str]:
     text = " ".join(t for t in (p1, p2) if t)
     chapters.setdefault((testament, book, chapter), []).append(_VERSE.sub("", text).strip())
   return [" ".join(v) for v in chapters.values()]
+
+
+PYTHON_DOCS_DIR = "/usr/share/doc/python3.11/html/_sources"  # Debian's python3.11-doc
+
+
+def python_docs(path: str = "") -> list[str]:
+  """The Python 3.11 documentation's reStructuredText sources (Debian's `python3.11-doc`: every
+  `.rst.txt` under `path`, by default PYTHON_DOCS_DIR), one document per file, sorted by path:
+  English technical prose with code and markup, unlike the KJV text in every way that matters
+  to a language model. The project's held-out text task: nothing is tuned on it."""
+  path = path or PYTHON_DOCS_DIR
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"dataset 'python_docs' reads the directory {path!r}, which does not "
+                            "exist: apt-get install python3.11-doc, or set data.path to a copy")
+  return text_documents(path)
 
 
 def text_documents(path: str) -> list[str]:

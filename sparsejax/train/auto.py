@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -228,8 +227,8 @@ def measuring(config: Any) -> bool:
 # ----------------------------------------------------------------------------- the probes
 
 def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) -> float:
-  """The median seconds of `fn(*args)` over `reps` calls, after one untimed call (compilation,
-  first touches) if `warm`."""
+  """The fewest seconds of `fn(*args)` over `reps` calls (interference on a shared machine only
+  adds time), after one untimed call (compilation, first touches) if `warm`."""
   if warm:
     jax.block_until_ready(fn(*args))
   times = []
@@ -237,7 +236,7 @@ def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) 
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return min(times)
 
 
 def large_probe_size(shard: int, target: float) -> int:
@@ -455,7 +454,7 @@ class AutoExchange:
     return self.dense_level if form == "dense" else self.sparse_level(self.total_steps - 1)
 
   def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array]) -> float:
-    """The median seconds of the compiled train step at `level` on a copy of `state` (each call
+    """The fewest seconds of the compiled train step at `level` on a copy of `state` (each call
     takes the last one's output: the step donates its input), after one untimed call where
     this level has not run here yet (`compile`)."""
     fn = self.compiled(level)
@@ -470,7 +469,7 @@ class AutoExchange:
       copy, _ = fn(copy, *batch)
       jax.block_until_ready(copy)
       times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
   def compile(self, state: Any, batch: Sequence[jax.Array]) -> None:
     """Runs what a measurement runs once, untimed, so that the first measurement times no
@@ -496,7 +495,7 @@ class AutoExchange:
     observed = self._observe(step, state)
     # (the guide is the same on every process: fitted from the slowest times)
     link, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
-    if self._select_s is None:  # one untimed call of each (compilation), then the median
+    if self._select_s is None:  # one untimed call of each (compilation), then the fewest
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
       jax.block_until_ready(self._gradient(state, *batch))
