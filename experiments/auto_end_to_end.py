@@ -79,33 +79,35 @@ def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
     hit = tta_analysis.steps_to_target(r["curve"], target, metric)
     forms = [(c["step"], c["form"]) for c in r.get("exchange_choices", [])]
     forms = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
-    first = next((c for c in r.get("exchange_choices", []) if c.get("why") == "measured"), None)
+    choices = r.get("exchange_choices", [])
     out.append({"seed": r["seed"], "steps": hit["step"] if hit else None,
                 "time_s": hit["train_time_s"] if hit else None, "forms": forms,
-                **({"predicted_step_s": {f: first[f"{f}_step_ms"] / 1e3
-                                         for f in ("dense", "sparse")}} if first else {})})
+                "predictions": predictions(choices)})
   return out
 
 
-def step_check(runs: list[dict[str, Any]], trained: dict[str, list[dict[str, Any]]]
-               ) -> dict[str, dict[str, Any]]:
-  """Each form's step as auto predicted it at its first choice against the step measured end
-  to end (train time to target / steps): auto's own runs for a form it ran throughout, else
-  the fixed system of that form trained beside it (dense: "dense"; sparse: the other one).
-  {form: {"predicted_s": [...], "measured_s": [...], "from": where measured}}."""
-  sparse = [s for s in trained if s != "dense" and not s.startswith("torch")]
-  out = {}
-  for form, twin in (("dense", "dense"), ("sparse", sparse[0] if sparse else None)):
-    predicted = [x["predicted_step_s"][form] for x in runs if "predicted_step_s" in x]
-    if not predicted:
-      continue
-    own = [x for x in runs if x["steps"] and [f for _, f in x["forms"]] == [form]]
-    source = own if len(own) == len(runs) else trained.get(twin, [])
-    measured = [x["time_s"] / x["steps"] for x in source if x["steps"]]
-    if measured:
-      out[form] = {"predicted_s": predicted, "measured_s": measured,
-                   "from": "auto" if source is own else twin,
-                   "ratio": statistics.median(predicted) / statistics.median(measured)}
+def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each measured choice's predicted step for the form it ran next against that form's step as
+  the next choice observed it in the run: [{"form", "predicted_s", "observed_s"}]."""
+  out = []
+  for c, after in zip(choices, choices[1:]):
+    if (c.get("why") == "measured" and after.get("why") == "measured"
+        and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
+      out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
+                  "observed_s": after["measured_step_ms"] / 1e3})
+  return out
+
+
+def step_check(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+  """Per form, auto's predicted step against the step the run then took (`predictions`), over
+  all runs: {form: {"predicted_s": [...], "observed_s": [...], "ratios": [...]}}."""
+  out: dict[str, dict[str, Any]] = {}
+  for x in runs:
+    for p in x.get("predictions", []):
+      row = out.setdefault(p["form"], {"predicted_s": [], "observed_s": [], "ratios": []})
+      row["predicted_s"].append(p["predicted_s"])
+      row["observed_s"].append(p["observed_s"])
+      row["ratios"].append(p["predicted_s"] / p["observed_s"])
   return out
 
 
@@ -142,7 +144,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   over_ddp = ddp / med if med else None
   need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
-          "steps_checked": step_check(runs, trained or {}),
+          "steps_checked": step_check(runs),
           "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
           "fixed_time_s": times, "fixed_trained": sorted(measured), "best_fixed": best,
           "auto_over_best": med / fixed[best] if med else None,
@@ -194,14 +196,13 @@ def table(results: dict[str, Any]) -> str:
   checked = [(row["bandwidth"], f, c) for row in rows
              for f, c in row.get("steps_checked", {}).items()]
   if checked:
-    lines += ["", "Each form's step (ms) as auto predicted it at its first choice against the "
-              "step measured end to end (train time to target / steps, the density warm-up and "
-              "probes included; from auto's own runs where it ran that form throughout, else "
-              "from the fixed system of that form trained beside it):", "",
-              "| link | form | predicted | measured | from | predicted / measured |",
-              "|---|---|---:|---:|---|---:|"]
-    lines += [f"| {bw} | {f} | {spread(c['predicted_s'], 1, 1e3)} | "
-              f"{spread(c['measured_s'], 1, 1e3)} | {c['from']} | {c['ratio']:.2f} |"
+    lines += ["", "Each form's step (ms) as auto predicted it at a choice against the step the "
+              "run then took in that form (the next choice's observation of it; pairs over "
+              "all seeds):", "",
+              "| link | form | pairs | predicted | observed | predicted / observed |",
+              "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "
+              f"{spread(c['observed_s'], 1, 1e3)} | {spread(c['ratios'], 2)} |"
               for bw, f, c in checked]
   verdicts = {k: all(row[k] for row in rows) for k in
               ("within_1.1_of_best", "ddp_target_met", "exposed_met")}

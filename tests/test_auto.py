@@ -405,3 +405,33 @@ def test_a_form_known_only_from_its_timing_gets_what_the_run_adds_to_the_one_obs
   # once dense is seen itself, its own observation stands
   got = auto.with_run_costs({"sparse": 0.02}, "sparse", timed, {"sparse", "dense"})
   assert got == {"sparse": 0.02}
+
+
+@pytest.mark.integration
+def test_a_close_call_is_settled_by_a_trial_of_the_other_form_in_the_run(tmp_path, monkeypatch):
+  """Where the forms' predicted times to the target are close (here any: TRIAL_WITHIN raised),
+  the first choice is followed by TRIAL_STEPS of the other form, observed in the run; then the
+  first form runs too (as a trial or chosen), and later choices are between two observed forms,
+  with no more trials."""
+  monkeypatch.setattr(auto.AutoExchange, "TRIAL_WITHIN", 1e9)
+  config = _penalty_config(**{"compression.density": 0.05, "num_epochs": 5.0,
+                              "auto.probe_budget": 0.5})
+  summary = train_and_evaluate(config, str(tmp_path), progress=False)
+  first, second, *later = summary["exchange_choices"]
+  steps = auto.AutoExchange.TRIAL_STEPS
+  tried = first["trial"]  # both forms unseen at step 0 and no warm-up: a trial at once
+  assert first["how"] == "timed" and first["form"] == tried, first
+  assert second["step"] == steps + 1 and second["measured"] == tried, second
+  assert second["how"] == f"observed over {steps} steps", second
+  assert second["form"] != tried, second  # the other form now runs in its turn
+  assert any(c["measured"] == second["form"] and c["how"].startswith("observed over")
+             for c in later), later
+  assert not any(c.get("trial") for c in later), later
+
+
+def test_what_the_run_adds_is_never_negative():
+  # an observation whose rest came out below its timing (a link misread: its modelled exchange
+  # too long) leaves the other form's timed rest as it was
+  got = auto.with_run_costs({"dense": -0.001}, "dense", {"dense": 0.001, "sparse": 0.0014},
+                            {"dense"})
+  assert got == pytest.approx({"dense": -0.001, "sparse": 0.0014})

@@ -124,19 +124,21 @@ def test_bad_system_and_incomplete_reference_are_named(tmp_path, capsys):
   assert "lacks ['parity']" in capsys.readouterr().err
 
 
-def test_step_check_sets_each_forms_prediction_against_the_step_run_end_to_end():
-  runs = [{"seed": s, "steps": 100, "time_s": t, "forms": [[0, "sparse"]],
-           "predicted_step_s": {"dense": 0.05, "sparse": p}}
-          for s, (t, p) in enumerate([(2.0, 0.018), (2.2, 0.02), (2.4, 0.021)])]
-  trained = {"dense": [{"seed": s, "steps": 90, "time_s": t, "forms": []}
-                       for s, t in enumerate([4.5, 5.4, 4.95])],
-             "hitopk-0.01-mc": [{"seed": 0, "steps": 80, "time_s": 1.0, "forms": []}]}
-  got = e2e.step_check(runs, trained)
-  # sparse ran throughout in every auto run: its own steps (22 ms median) are the measure
-  assert got["sparse"]["from"] == "auto"
-  assert got["sparse"]["ratio"] == pytest.approx(0.02 / 0.022)
-  # dense never ran: the fixed dense system beside it (55 ms median)
-  assert got["dense"]["from"] == "dense"
-  assert got["dense"]["ratio"] == pytest.approx(0.05 / 0.055)
-  runs[1]["forms"] = [[0, "sparse"], [40, "dense"]]  # a switch: sparse from the fixed twin
-  assert e2e.step_check(runs, trained)["sparse"]["from"] == "hitopk-0.01-mc"
+def test_step_check_pairs_each_prediction_with_the_step_the_run_then_took():
+  def choice(step, form, how, dense, sparse, measured="dense"):
+    return {"step": step, "form": form, "why": "measured", "how": how, "measured": measured,
+            "measured_step_ms": {"dense": dense, "sparse": sparse}[measured],
+            "dense_step_ms": dense, "sparse_step_ms": sparse}
+  choices = [choice(0, "sparse", "timed", 25.0, 18.0),
+             choice(90, "sparse", "observed over 42 steps", 200.0, 20.0, "sparse"),
+             {"step": 100, "form": "dense", "why": "schedule"},
+             choice(150, "dense", "observed over 9 steps", 30.0, 21.0)]
+  pairs = e2e.predictions(choices)
+  # 0 -> 90: sparse predicted 18 ms, run 20; 90 -> schedule: no pair; schedule -> 150: no pair
+  assert pairs == [{"form": "sparse", "predicted_s": 0.018, "observed_s": 0.020}]
+  runs = [{"predictions": pairs}, {"predictions": [
+      {"form": "sparse", "predicted_s": 0.022, "observed_s": 0.020},
+      {"form": "dense", "predicted_s": 0.030, "observed_s": 0.025}]}]
+  got = e2e.step_check(runs)
+  assert got["sparse"]["ratios"] == pytest.approx([0.9, 1.1])
+  assert got["dense"]["ratios"] == pytest.approx([1.2])

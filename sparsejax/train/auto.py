@@ -145,10 +145,12 @@ def with_run_costs(observed: dict[str, float], form: str, timed: dict[str, float
                    seen: set[str]) -> dict[str, float]:
   """`observed` (`form`'s rest as the run took it) with the rest of each form not yet `seen` in
   the run: its rest `timed` on a copy of the state plus what the run added to `form`'s (its
-  observed rest less its timed one). A step timed alone misses what the run adds to each step
-  (the host's batch, the loop): on the MNIST MLP at an unlimited link dense timed 20 ms and ran
-  26, sparse 16 and 19."""
-  added = observed[form] - timed.get(form, observed[form])
+  observed rest less its timed one, at least 0). A step timed alone misses what the run adds to
+  each step (the host's batch, the loop): on the MNIST MLP at an unlimited link dense timed 20
+  ms and ran 26, sparse 16 and 19."""
+  # (never less: with a link misread at the observation, a negative addition carried the
+  # error to the other form)
+  added = max(observed[form] - timed.get(form, observed[form]), 0.0)
   return {**observed, **{f: r + added for f, r in timed.items() if f not in seen}}
 
 
@@ -347,6 +349,9 @@ class AutoExchange:
   figures behind it."""
 
   MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
+  SKIP_BEYOND = 3.0  # the other form's step is not timed where its exchange alone is this slower
+  TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
+  TRIAL_WITHIN = 1.3  # close: its predicted time to the target within this factor of the choice's
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
                dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
@@ -514,9 +519,12 @@ class AutoExchange:
     else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
       form, how = self.form or min(FORMS, key=exchange.__getitem__), "timed"
       step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
-      steps = {form: step_s}
-      if _other(form) not in self._rest:  # the first measurement: the other form's step too
-        steps[_other(form)] = self._time_step(self._level_of(_other(form), step), state, batch)
+      steps, other = {form: step_s}, _other(form)
+      # the first measurement: the other form's step too, unless its exchange alone (no
+      # compute) takes SKIP_BEYOND times this form's step to the target
+      alone = {form: step_s, other: exchange[other] / self.SKIP_BEYOND}
+      if other not in self._rest and choose(alone, self._factor(step, spread), None, 0) == other:
+        steps[other] = self._time_step(self._level_of(other, step), state, batch)
       values = _slowest([*steps.values(), link_s + gradient_s])
       steps, self.probe_s = dict(zip(steps, values)), values[-1]
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
@@ -534,6 +542,24 @@ class AutoExchange:
     from the lag)."""
     lag = lag_steps(spread, self.compression.density)
     return self.options.step_factor or step_factor(lag, self.total_steps - step)
+
+  def _trial(self, step: int, chosen: str, step_s: dict[str, float], factor: float
+             ) -> str | None:
+    """The other form, to be run for TRIAL_STEPS steps, where it has not run in this run yet and
+    its predicted time to the target is within TRIAL_WITHIN of the chosen form's: a step timed
+    on a copy of the state is not a step of the run (the MNIST MLP's dense step timed 18 ms and
+    ran 25, its sparse step 22 and 19), so a close call is settled by the run's own steps. Only
+    where the sparse form runs at its final density (after the density warm-up), measurements
+    go on (`auto.probe_budget` > 0), the run has 4 trials' steps left, and once per form."""
+    other = _other(chosen)
+    to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * factor}
+    final = self.sparse_level(self.total_steps - 1)
+    if (other in self._seen or any(e.get("trial") == other for e in self.history)
+        or not self.options.probe_budget or self.sparse_level(step) != final
+        or self.total_steps - step < 4 * (self.TRIAL_STEPS + 1)
+        or to_target[other] > self.TRIAL_WITHIN * to_target[chosen]):
+      return None
+    return other
 
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
     """Measures and chooses where due; logs the choice; times the steps between."""
@@ -554,7 +580,8 @@ class AutoExchange:
       lag, remaining = lag_steps(m.spread, c.density), self.total_steps - step
       factor = self._factor(step, m.spread)
       form = choose(step_s, factor, self.form, a.margin)
-      entry.update(form=form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
+      trial = self._trial(step, form, step_s, factor)
+      entry.update(form=trial or form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,
                    measured_step_ms=1e3 * m.step_s,
                    how=m.how, dense_step_ms=1e3 * step_s["dense"],
@@ -562,6 +589,8 @@ class AutoExchange:
                    remaining_steps=remaining, step_factor=factor,
                    factor_from="auto.step_factor" if a.step_factor else "lag",
                    probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
+      if trial:  # measured again once the trial's steps have run
+        entry.update(trial=trial, next_step=step + 1 + self.TRIAL_STEPS)
     self.history.append(entry)
     self._open_at = step + 1
     if self.lead:
@@ -588,7 +617,9 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
       f"selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
       f"{entry['step_factor']:.3g} {factor} = "
-      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
-      f"probes {entry['probe_ms']:.0f} ms, "
+      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; "
+      + (f"close: runs {entry['trial']} for {AutoExchange.TRIAL_STEPS} steps to measure it; "
+         if entry.get("trial") else f"chose {entry['form']}; ")
+      + f"probes {entry['probe_ms']:.0f} ms, "
       + ("no more measurements unless scheduled" if entry["next_step"] is None
          else f"next due at step {entry['next_step']}"))
