@@ -94,17 +94,21 @@ def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if (c.get("why") == "measured" and after.get("why") == "measured"
         and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
       out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
-                  "observed_s": after["measured_step_ms"] / 1e3})
+                  "observed_s": after["measured_step_ms"] / 1e3,
+                  "from": "timed" if c.get("how") == "timed" else "observed"})
   return out
 
 
 def step_check(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-  """Per form, auto's predicted step against the step the run then took (`predictions`), over
-  all runs: {form: {"predicted_s": [...], "observed_s": [...], "ratios": [...]}}."""
+  """Per form and what the prediction rested on (a step "timed" on a copy at the first
+  measurement, else "observed" in the run), auto's predicted step against the step the run
+  then took (`predictions`), over all runs: {"form, from": {"predicted_s": [...],
+  "observed_s": [...], "ratios": [...]}}."""
   out: dict[str, dict[str, Any]] = {}
   for x in runs:
     for p in x.get("predictions", []):
-      row = out.setdefault(p["form"], {"predicted_s": [], "observed_s": [], "ratios": []})
+      row = out.setdefault(f"{p['form']}, {p.get('from', 'observed')}",
+                           {"predicted_s": [], "observed_s": [], "ratios": []})
       row["predicted_s"].append(p["predicted_s"])
       row["observed_s"].append(p["observed_s"])
       row["ratios"].append(p["predicted_s"] / p["observed_s"])
@@ -198,8 +202,9 @@ def table(results: dict[str, Any]) -> str:
   if checked:
     lines += ["", "Each form's step (ms) as auto predicted it at a choice against the step the "
               "run then took in that form (the next choice's observation of it; pairs over "
-              "all seeds):", "",
-              "| link | form | pairs | predicted | observed | predicted / observed |",
+              "all seeds), by what the prediction rested on: the first measurement's step timed "
+              "on a copy of the state, or a step observed in the run:", "",
+              "| link | form, from | pairs | predicted | observed | predicted / observed |",
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "
               f"{spread(c['observed_s'], 1, 1e3)} | {spread(c['ratios'], 2)} |"

@@ -135,10 +135,11 @@ def test_step_check_pairs_each_prediction_with_the_step_the_run_then_took():
              choice(150, "dense", "observed over 9 steps", 30.0, 21.0)]
   pairs = e2e.predictions(choices)
   # 0 -> 90: sparse predicted 18 ms, run 20; 90 -> schedule: no pair; schedule -> 150: no pair
-  assert pairs == [{"form": "sparse", "predicted_s": 0.018, "observed_s": 0.020}]
+  assert pairs == [{"form": "sparse", "predicted_s": 0.018, "observed_s": 0.020, "from": "timed"}]
   runs = [{"predictions": pairs}, {"predictions": [
       {"form": "sparse", "predicted_s": 0.022, "observed_s": 0.020},
       {"form": "dense", "predicted_s": 0.030, "observed_s": 0.025}]}]
   got = e2e.step_check(runs)
-  assert got["sparse"]["ratios"] == pytest.approx([0.9, 1.1])
-  assert got["dense"]["ratios"] == pytest.approx([1.2])
+  assert got["sparse, timed"]["ratios"] == pytest.approx([0.9])
+  assert got["sparse, observed"]["ratios"] == pytest.approx([1.1])
+  assert got["dense, observed"]["ratios"] == pytest.approx([1.2])
