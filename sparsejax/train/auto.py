@@ -351,7 +351,7 @@ class AutoExchange:
   MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
   SKIP_BEYOND = 3.0  # the other form's step is not timed where its exchange alone is this slower
   TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
-  TRIAL_WITHIN = 1.3  # close: its predicted time to the target within this factor of the choice's
+  TRIAL_WITHIN = 2.0  # close: its predicted time to the target within this factor of the choice's
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
                dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
