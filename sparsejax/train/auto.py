@@ -57,6 +57,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import comm, cost
+from sparsejax import compress as compress_lib
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
@@ -362,6 +363,7 @@ class AutoExchange:
     self.schedule = step_schedule(config, steps_per_epoch)
     self.setup = setup
     self.sparse_level, self.dense_level = sparse_level, dense_level
+    self.levels = compress_lib.density_levels(c.density)  # the sparse form's, by level
     self.history = history
     self.total_steps = total_steps
     self.compiled = compiled
@@ -515,6 +517,12 @@ class AutoExchange:
       form = "dense" if level == self.dense_level else "sparse"
       how = f"observed over {steps} steps"
       step_s, self.probe_s = _slowest([step_s, link_s + gradient_s])
+      ran = self.levels[level] if form == "sparse" else 1.0
+      if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
+        step_s += exchange["sparse"] - exchange_s(
+            Measurement(link, form, 0.0, self._select_s, spread), **{**model, "density": ran}
+        )["sparse"]
+        how += f" at density {ran:.3g}"
       steps = {form: step_s}
     else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
       form, how = self.form or min(FORMS, key=exchange.__getitem__), "timed"
