@@ -11,7 +11,8 @@ markup, unlike the KJV in vocabulary, register and layout; one document per sour
 20th held out). Nothing in the library is fitted on this task (docs/auto.md). The target was
 fixed by a rule before any run of a sparse exchange or of auto on it: the validation loss the
 dense recipe reached at step 200 of a first seed-0 run, rounded up to 0.05 (the KJV task's
-target sits at the same place in its run).
+target sits at the same place in its run): 5.185, so validation loss 5.2. About 1,250 steps an
+epoch (12 MB of text, 497 files); eval every 25 steps.
 Expected: see experiments/results/time_to_accuracy_pydocs.md.
 """
 
@@ -24,5 +25,5 @@ def get_config():
   config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                     "tta_kjv_lm.py"))
   config.data.name = "python_docs"
-  config.target_value = 0.0  # fixed below from the first dense run
+  config.target_value = 5.2  # dense seed 0 read 5.185 at step 200 (2026-12-03): rounded up
   return config
