@@ -168,6 +168,7 @@ def test_the_lag_weighs_less_the_longer_the_run_left():
     ({"compression.algorithm": "fastest"}, "compression.algorithm.*auto"),
     ({"auto.sparse": "dense"}, "auto.sparse"),
     ({"auto.step_factor": -1.0}, "auto.step_factor"),
+    ({"auto.min_step_factor": 0.9}, r"auto.min_step_factor.*>= 1"),
     ({"auto.margin": 1.0}, "auto.margin"),
     ({"auto.probe_budget": 1.0}, "auto.probe_budget"),
     ({"auto.schedule": ((0.5, "dense"),)}, "auto.schedule"),
@@ -303,6 +304,10 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   for c in choices:
     assert c["why"] == "measured"
     assert c["select_ms"] > 0 and c["link_MBps"] > 0
+    # the lag's factor, never below auto.min_step_factor (1.22 by default), and which it was
+    lag_factor = auto.step_factor(c["lag_steps"], c["remaining_steps"])
+    assert c["step_factor"] == pytest.approx(max(lag_factor, 1.22)), c
+    assert c["factor_from"] == ("lag" if lag_factor > 1.22 else "auto.min_step_factor"), c
     assert min(c["sparse_step_ms"], c["dense_step_ms"], c["measured_step_ms"]) > 0
     form = auto.choose({"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]},
                        c["step_factor"], form, 0.05)

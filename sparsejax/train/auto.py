@@ -547,9 +547,10 @@ class AutoExchange:
 
   def _factor(self, step: int, spread: float) -> float:
     """The sparse form's steps over the dense form's from `step` on (`auto.step_factor`, else
-    from the lag)."""
+    from the lag, at least `auto.min_step_factor`)."""
     lag = lag_steps(spread, self.compression.density)
-    return self.options.step_factor or step_factor(lag, self.total_steps - step)
+    return self.options.step_factor or max(step_factor(lag, self.total_steps - step),
+                                           self.options.min_step_factor)
 
   def _trial(self, step: int, chosen: str, step_s: dict[str, float], factor: float
              ) -> str | None:
@@ -595,7 +596,8 @@ class AutoExchange:
                    how=m.how, dense_step_ms=1e3 * step_s["dense"],
                    sparse_step_ms=1e3 * step_s["sparse"], spread=m.spread, lag_steps=lag,
                    remaining_steps=remaining, step_factor=factor,
-                   factor_from="auto.step_factor" if a.step_factor else "lag",
+                   factor_from=("auto.step_factor" if a.step_factor else
+                                "lag" if factor > a.min_step_factor else "auto.min_step_factor"),
                    probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
       if trial:  # measured again once the trial's steps have run
         entry.update(trial=trial, next_step=step + 1 + self.TRIAL_STEPS)
@@ -617,6 +619,9 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
   if entry.get("factor_from") == "lag":
     factor = (f"(1 + lag {entry['lag_steps']:.1f} / {entry['remaining_steps']} steps left; "
               f"spread {entry['spread']:.3f})")
+  elif entry.get("factor_from") == "auto.min_step_factor":
+    factor = (f"(auto.min_step_factor; the lag {entry['lag_steps']:.1f} / "
+              f"{entry['remaining_steps']} steps left says less)")
   else:
     factor = "(auto.step_factor)"
   return head + (
