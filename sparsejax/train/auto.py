@@ -350,7 +350,6 @@ class AutoExchange:
   figures behind it."""
 
   MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
-  SKIP_BEYOND = 3.0  # the other form's step is not timed where its exchange alone is this slower
   TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
   TRIAL_WITHIN = 2.0  # close: its predicted time to the target within this factor of the choice's
 
@@ -509,9 +508,11 @@ class AutoExchange:
     t0 = time.perf_counter()
     spread = float(jax.device_get(self._gradient(state, *batch)))
     gradient_s = time.perf_counter() - t0
-    model = dict(algorithm=self.options.sparse, n=self.n, density=self.compression.density,
-                 nodes=self.nodes, local=self.local)
-    exchange = exchange_s(Measurement(link, "dense", 0.0, self._select_s, spread), **model)
+    model = dict(algorithm=self.options.sparse, n=self.n, nodes=self.nodes, local=self.local)
+    probed = Measurement(link, "dense", 0.0, self._select_s, spread)  # (exchange_s reads the link)
+
+    def exchange(density: float = self.compression.density) -> dict[str, float]:
+      return exchange_s(probed, **model, density=density)
     if observed is not None:
       level, step_s, steps = observed
       form = "dense" if level == self.dense_level else "sparse"
@@ -519,24 +520,22 @@ class AutoExchange:
       step_s, self.probe_s = _slowest([step_s, link_s + gradient_s])
       ran = self.levels[level] if form == "sparse" else 1.0
       if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
-        step_s += exchange["sparse"] - exchange_s(
-            Measurement(link, form, 0.0, self._select_s, spread), **{**model, "density": ran}
-        )["sparse"]
+        step_s += exchange()["sparse"] - exchange(ran)["sparse"]
         how += f" at density {ran:.3g}"
       steps = {form: step_s}
     else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
-      form, how = self.form or min(FORMS, key=exchange.__getitem__), "timed"
+      now = exchange()
+      form, how = self.form or min(FORMS, key=now.__getitem__), "timed"
       step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
       steps, other = {form: step_s}, _other(form)
-      # the first measurement: the other form's step too, unless its exchange alone (no
-      # compute) takes SKIP_BEYOND times this form's step to the target
-      alone = {form: step_s, other: exchange[other] / self.SKIP_BEYOND}
-      if other not in self._rest and choose(alone, self._factor(step, spread), None, 0) == other:
+      # the first measurement: the other form's step too (a rule skipping it where the link
+      # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
+      if other not in self._rest:
         steps[other] = self._time_step(self._level_of(other, step), state, batch)
       values = _slowest([*steps.values(), link_s + gradient_s])
       steps, self.probe_s = dict(zip(steps, values)), values[-1]
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
-    now = rests(m, **model, steps=steps)
+    now = rests(m, **model, density=self.compression.density, steps=steps)
     if observed is None:
       self._timed.update(now)
     else:
