@@ -95,7 +95,7 @@ def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
         and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
       out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
                   "observed_s": after["measured_step_ms"] / 1e3,
-                  "from": "timed" if c.get("how") == "timed" else "observed"})
+                  "from": "timed" if c.get("how", "").startswith("timed") else "observed"})
   return out
 
 

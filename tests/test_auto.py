@@ -315,7 +315,7 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   # the first choice timed both forms' compiled steps; the second saw the form in force run
   # (steps 1-9: the step after a measurement opens the window; the evaluation at 10 left out)
   # (a sparse form's window restarts where its density warm-up changes level)
-  assert choices[0]["how"] == "timed", choices
+  assert choices[0]["how"].startswith("timed"), choices
   observed = [9] if choices[0]["form"] == "dense" else range(auto.AutoExchange.MIN_WINDOW, 10)
   assert choices[1]["how"] in [f"observed over {n} steps" for n in observed], choices
   assert choices[1]["measured"] == choices[0]["form"]
@@ -356,7 +356,7 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
   assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
   assert "dense" in [c["form"] for c in choices[1:]], (  # ... and auto switched to dense
-      choices, "\n".join(line for line in out.getvalue().splitlines() if "auto:" in line))
+      "\n".join(line for line in out.getvalue().splitlines() if "auto:" in line))
   # Each choice is the one its own figures call for, from the form before it (on a loaded
   # machine a later probe can still measure the lifted link slow enough for sparse: one CI run's
   # did at 1.5x, and switching back is then right).
@@ -425,9 +425,9 @@ def test_a_close_call_is_settled_by_a_trial_of_the_other_form_in_the_run(tmp_pat
   first, second, *later = summary["exchange_choices"]
   steps = auto.AutoExchange.TRIAL_STEPS
   tried = first["trial"]  # both forms unseen at step 0 and no warm-up: a trial at once
-  assert first["how"] == "timed" and first["form"] == tried, first
+  assert first["how"].startswith("timed") and first["form"] == tried, first
   assert second["step"] == steps + 1 and second["measured"] == tried, second
-  assert second["how"] == f"observed over {steps} steps", second
+  assert second["how"].startswith(f"observed over {steps} steps"), second
   assert second["form"] != tried, second  # the other form now runs in its turn
   assert any(c["measured"] == second["form"] and c["how"].startswith("observed over")
              for c in later), later
@@ -440,3 +440,46 @@ def test_what_the_run_adds_is_never_negative():
   got = auto.with_run_costs({"dense": -0.001}, "dense", {"dense": 0.001, "sparse": 0.0014},
                             {"dense"})
   assert got == pytest.approx({"dense": -0.001, "sparse": 0.0014})
+
+
+def test_a_rest_taken_at_a_far_link_is_taken_again():
+  """A form's rest (its step less its modelled exchange) keeps the model's error at the link it
+  was taken at; where the link moved by more than 2x and the exchange by more than the rest, the
+  form is timed again. Not for a read that only flickers (an unlimited link reads inf or 14
+  Gbit/s), nor for a slow link's noise where the rest is the larger part."""
+  mb = 1e6
+  # the quickstart's dense step at 20 Mbit/s, then the link lifted
+  assert auto._stale(0.13, 0.48, 0.001, 2.5 * mb, math.inf)
+  assert auto._stale(0.13, 0.48, 0.001, 2.5 * mb, 1000 * mb)
+  # ... and the other way: a rest taken at a fast link, the link throttled
+  assert auto._stale(0.02, 0.001, 0.48, math.inf, 2.5 * mb)
+  # flicker at an unlimited link: the exchange hardly moves
+  assert not auto._stale(0.018, 0.0001, 0.0002, math.inf, 1700 * mb)
+  assert not auto._stale(0.018, 0.0001, 0.0001, math.inf, math.inf)
+  # a slow link's noise (a fifth): the exchange moves by more than the rest, the link by < 2x
+  assert not auto._stale(0.1, 1.5, 1.8, 6.25 * mb, 5.2 * mb)
+  # a link 3x slower where the exchange is small beside the rest
+  assert not auto._stale(0.2, 0.01, 0.03, 300 * mb, 100 * mb)
+
+
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "higtopk"])
+def test_a_link_read_too_slow_for_a_step_is_raised_to_fit_it(algorithm):
+  """A step holds its exchange: where the probes' link makes a form's modelled exchange longer
+  than its whole step, the bandwidth is raised until it fits (the rest is then 0); a link the
+  steps allow is left as read."""
+  m = auto.Measurement(auto.Link(1e-4, 0.25e6), "dense", 0.0, 2e-4, 0.3)
+  model = dict(algorithm=algorithm, n=13_337, density=0.01, nodes=3, local=2)
+
+  def exchange(link):
+    return auto.exchange_s(m._replace(link=link), **model)
+  slow = exchange(m.link)
+  assert slow["dense"] > 0.1  # 13,337 floats at 2 Mbit/s
+  steps = {"dense": 0.0015, "sparse": slow["sparse"] * 2}
+  fitted = auto.fit_in_steps(m.link, steps, exchange)
+  assert fitted.fixed_s == m.link.fixed_s and fitted.bytes_per_s > 50 * m.link.bytes_per_s
+  assert exchange(fitted)["dense"] == pytest.approx(0.0015, rel=1e-6)
+  # the fit leaves alone a link the steps allow, and goes to inf where only the fixed costs fit
+  assert auto.fit_in_steps(fitted, steps, exchange) == fitted
+  assert auto.fit_in_steps(m.link, {"dense": 2 * slow["dense"]}, exchange) == m.link
+  fixed = exchange(m.link._replace(bytes_per_s=math.inf))["dense"]
+  assert math.isinf(auto.fit_in_steps(m.link, {"dense": 0.5 * fixed}, exchange).bytes_per_s)

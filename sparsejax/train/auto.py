@@ -62,6 +62,7 @@ from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
 __all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "with_run_costs",
+           "fit_in_steps",
            "lag_steps", "step_factor", "choose", "probe_interval", "scheduled", "measuring",
            "AutoExchange", "FORMS"]
 
@@ -334,6 +335,43 @@ def _slowest(values: Sequence[float]) -> list[float]:
 
 # ----------------------------------------------------------------------------- the controller
 
+def fit_in_steps(link: Link, steps: dict[str, float],
+                 exchange: Callable[[Link], dict[str, float]]) -> Link:
+  """`link`, its bandwidth raised where needed so that each form's modelled exchange
+  (`exchange(link)`) fits in its whole step in `steps`: a step holds its exchange, so one
+  shorter than the exchange on the probes' link shows that the probes read the link slow (a
+  stall on a loaded machine: an in-process link read at 2 Mbit/s beside a dense step of 1.5
+  ms, which made auto start sparse). The step's rest is then 0, not negative."""
+  fastest = link._replace(bytes_per_s=math.inf)
+  for _ in range(4):  # (the exchange is about linear in 1 / bandwidth: a few rounds settle it)
+    now, floor = exchange(link), exchange(fastest)
+    over = [(now[f] - floor[f]) / (s - floor[f]) if s > floor[f] else math.inf
+            for f, s in steps.items() if now[f] > s * (1 + 1e-9)]
+    if not over or math.isinf(link.bytes_per_s):
+      return link
+    link = link._replace(bytes_per_s=link.bytes_per_s * max(over))
+  return link
+
+
+LINK_MOVED = 2.0  # a rest taken at a link this many times faster or slower than now is stale ...
+
+
+def _stale(rest_s: float, exchange_then: float, exchange_now: float, bytes_then: float,
+           bytes_now: float) -> bool:
+  """Whether a form's rest (its step less the modelled exchange at the link it was taken at)
+  should be taken again at this link: the link moved by more than LINK_MOVED either way and
+  the form's modelled exchange by more than its rest. The model's error at the link the rest
+  was taken at stays in the rest: the quickstart ResNet-20's dense step timed at 20 Mbit/s
+  (about 0.5 s) left a rest of 130 ms in one CI run, where its step at the lifted link took
+  18-22 ms.
+  (Not where only the link's read moves: an unlimited link reads inf or 14 Gbit/s, and a
+  slow link's reads move by a fifth, where timing the dense form again would cost seconds.)"""
+  ratio = (math.inf if math.isinf(bytes_then) != math.isinf(bytes_now)
+           else 1.0 if bytes_then == bytes_now
+           else max(bytes_then, bytes_now) / min(bytes_then, bytes_now))
+  return ratio > LINK_MOVED and abs(exchange_now - exchange_then) > rest_s
+
+
 def _other(form: str) -> str:
   return "sparse" if form == "dense" else "dense"
 
@@ -377,6 +415,7 @@ class AutoExchange:
     self._warm: set[int] = set()  # the levels whose step has run here (compiled)
     self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._timed: dict[str, float] = {}  # each form's rest as timed on a copy
+    self._rest_link: dict[str, Link] = {}  # the link each form's rest was taken at
     self._seen: set[str] = set()  # the forms observed in the run
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self.probe_s = 0.0  # the last measurement's timed calls, seconds (the slowest process's)
@@ -511,35 +550,61 @@ class AutoExchange:
     model = dict(algorithm=self.options.sparse, n=self.n, nodes=self.nodes, local=self.local)
     probed = Measurement(link, "dense", 0.0, self._select_s, spread)  # (exchange_s reads the link)
 
-    def exchange(density: float = self.compression.density) -> dict[str, float]:
-      return exchange_s(probed, **model, density=density)
+    def exchange(density: float = self.compression.density, at: Link | None = None
+                 ) -> dict[str, float]:  # (on the link as it stands: the probes', or raised)
+      return exchange_s(probed._replace(link=at or link), **model, density=density)
+
+    def fit(steps: dict[str, float], density: float = self.compression.density) -> None:
+      nonlocal link  # the link at least as fast as each step shows (fit_in_steps)
+      link = fit_in_steps(link, steps, lambda at: exchange(density, at))
+    read = link
+
+    def stale(form: str) -> bool:  # its rest taken at a link far from this one (see _stale)
+      return form in self._rest and _stale(
+          self._rest[form], exchange(at=self._rest_link[form])[form], exchange()[form],
+          self._rest_link[form].bytes_per_s, link.bytes_per_s)
     if observed is not None:
       level, step_s, steps = observed
       form = "dense" if level == self.dense_level else "sparse"
       how = f"observed over {steps} steps"
       step_s, self.probe_s = _slowest([step_s, link_s + gradient_s])
       ran = self.levels[level] if form == "sparse" else 1.0
+      fit({form: step_s}, ran)
       if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
         step_s += exchange()["sparse"] - exchange(ran)["sparse"]
         how += f" at density {ran:.3g}"
       steps = {form: step_s}
+      if stale(other := _other(form)):  # the other form timed again at this link
+        other_s, = _slowest([self._time_step(self._level_of(other, step), state, batch)])
+        steps[other] = other_s
+        self.probe_s += PROBE_REPS * other_s
+        how += f"; {other} timed again (the link moved)"
+        fit({other: other_s})
     else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
       now = exchange()
       form, how = self.form or min(FORMS, key=now.__getitem__), "timed"
       step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
       steps, other = {form: step_s}, _other(form)
+      fit(steps)
       # the first measurement: the other form's step too (a rule skipping it where the link
       # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
-      if other not in self._rest:
+      if other not in self._rest or stale(other):
         steps[other] = self._time_step(self._level_of(other, step), state, batch)
       values = _slowest([*steps.values(), link_s + gradient_s])
       steps, self.probe_s = dict(zip(steps, values)), values[-1]
+      fit(steps)
+    if link != read:
+      how += f"; the probes' link, {8e-6 * read.bytes_per_s:.3g} Mbit/s, raised to fit the steps"
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
     now = rests(m, **model, density=self.compression.density, steps=steps)
+    self._rest_link.update(dict.fromkeys(now, link))
     if observed is None:
       self._timed.update(now)
     else:
       self._seen.add(form)
+      if len(steps) > 1:  # the other form timed again: its observation no longer holds
+        self._timed[_other(form)] = now[_other(form)]
+        self._seen.discard(_other(form))
       now = with_run_costs(now, form, self._timed, self._seen)
     self._rest.update(now)
     return m
