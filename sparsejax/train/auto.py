@@ -450,9 +450,10 @@ class AutoExchange:
 
   def _next(self, step: int, step_s: float) -> int | None:
     """The step of the next measurement after one at `step` (`probe_interval`; None: no more
-    unless the schedule asks)."""
+    unless the schedule asks): at least MIN_WINDOW steps of the chosen form after the one that
+    compiles, so that the next measurement observes it (sooner, it would time it on a copy)."""
     interval = probe_interval(self.probe_s, step_s, self.options.probe_budget)
-    return None if interval is None else step + interval
+    return None if interval is None else step + max(interval, self.MIN_WINDOW + 1)
 
   # --- timing the steps the run takes
 
@@ -532,6 +533,69 @@ class AutoExchange:
       jax.block_until_ready(copy)
       self._warm.add(level)
 
+  def _exchange(self, link: Link, density: float | None = None) -> dict[str, float]:
+    """Each form's modelled exchange on `link` (the sparse form's at `density`, by default the
+    final one)."""
+    probed = Measurement(link, "dense", 0.0, self._select_s or 0.0, 1.0)
+    return exchange_s(probed, algorithm=self.options.sparse, n=self.n, nodes=self.nodes,
+                      local=self.local, density=density or self.compression.density)
+
+  def _fit(self, link: Link, steps: dict[str, float], density: float | None = None) -> Link:
+    """`link` at least as fast as each step shows (`fit_in_steps`)."""
+    return fit_in_steps(link, steps, lambda at: self._exchange(at, density))
+
+  def _stale(self, form: str, link: Link) -> bool:
+    """Whether `form`'s rest was taken at a link far from `link` (`_stale`)."""
+    if form not in self._rest:
+      return False
+    then = self._rest_link[form]
+    return _stale(self._rest[form], self._exchange(then)[form], self._exchange(link)[form],
+                  then.bytes_per_s, link.bytes_per_s)
+
+  def _observed_steps(self, step: int, observed: tuple[int, float, int], link: Link,
+                      probe_s: float, state: Any, batch: Sequence[jax.Array]
+                      ) -> tuple[str, dict[str, float], str, Link] | None:
+    """The form in force's step as the run took it (a warm-up level's moved to the final
+    density), and the other form's timed again where its rest is stale: (the form, the steps,
+    how, the link fitted to them); None where a warm-up level's window says little of the
+    final density's step (the move is over half the step)."""
+    level, step_s, steps = observed
+    form = "dense" if level == self.dense_level else "sparse"
+    how = f"observed over {steps} steps"
+    step_s, self.probe_s = _slowest([step_s, probe_s])
+    ran = self.levels[level] if form == "sparse" else 1.0
+    link = self._fit(link, {form: step_s}, ran)
+    if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
+      move = self._exchange(link)["sparse"] - self._exchange(link, ran)["sparse"]
+      if abs(move) > 0.5 * step_s:  # (the quickstart at density 0.64 across a lifted link:
+        return None  # moved to 1.4 ms, a tenth of its compute)
+      step_s += move
+      how += f" at density {ran:.3g}"
+    steps = {form: step_s}
+    if self._stale(other := _other(form), link):  # the other form timed again at this link
+      steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
+      self.probe_s += PROBE_REPS * steps[other]
+      how += f"; {other} timed again (the link moved)"
+      link = self._fit(link, {other: steps[other]})
+    return form, steps, how, link
+
+  def _timed_steps(self, step: int, link: Link, probe_s: float, state: Any,
+                   batch: Sequence[jax.Array]) -> tuple[str, dict[str, float], str, Link]:
+    """The form in force's compiled step timed here (before the first choice: the cheaper
+    exchange's), and the other form's at the first measurement or where its rest is stale."""
+    now = self._exchange(link)
+    form = self.form or min(FORMS, key=now.__getitem__)
+    step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
+    steps, other = {form: step_s}, _other(form)
+    link = self._fit(link, steps)
+    # the first measurement: the other form's step too (a rule skipping it where the link
+    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
+    if other not in self._rest or self._stale(other, link):
+      steps[other] = self._time_step(self._level_of(other, step), state, batch)
+    values = _slowest([*steps.values(), probe_s])
+    steps, self.probe_s = dict(zip(steps, values)), values[-1]
+    return form, steps, "timed", self._fit(link, steps)
+
   def measure(self, step: int, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, the gradient and, once, the selection probes; the whole step of the form in
     force as the run took it since the last measurement, or its compiled step timed here where
@@ -539,64 +603,24 @@ class AutoExchange:
     process's. Each form's step less its modelled exchange is kept for `predict`."""
     observed = self._observe(step, state)
     # (the guide is the same on every process: fitted from the slowest times)
-    link, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
+    read, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
     if self._select_s is None:  # one untimed call of each (compilation), then the fewest
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
       jax.block_until_ready(self._gradient(state, *batch))
     t0 = time.perf_counter()
     spread = float(jax.device_get(self._gradient(state, *batch)))
-    gradient_s = time.perf_counter() - t0
-    model = dict(algorithm=self.options.sparse, n=self.n, nodes=self.nodes, local=self.local)
-    probed = Measurement(link, "dense", 0.0, self._select_s, spread)  # (exchange_s reads the link)
-
-    def exchange(density: float = self.compression.density, at: Link | None = None
-                 ) -> dict[str, float]:  # (on the link as it stands: the probes', or raised)
-      return exchange_s(probed._replace(link=at or link), **model, density=density)
-
-    def fit(steps: dict[str, float], density: float = self.compression.density) -> None:
-      nonlocal link  # the link at least as fast as each step shows (fit_in_steps)
-      link = fit_in_steps(link, steps, lambda at: exchange(density, at))
-    read = link
-
-    def stale(form: str) -> bool:  # its rest taken at a link far from this one (see _stale)
-      return form in self._rest and _stale(
-          self._rest[form], exchange(at=self._rest_link[form])[form], exchange()[form],
-          self._rest_link[form].bytes_per_s, link.bytes_per_s)
-    if observed is not None:
-      level, step_s, steps = observed
-      form = "dense" if level == self.dense_level else "sparse"
-      how = f"observed over {steps} steps"
-      step_s, self.probe_s = _slowest([step_s, link_s + gradient_s])
-      ran = self.levels[level] if form == "sparse" else 1.0
-      fit({form: step_s}, ran)
-      if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
-        step_s += exchange()["sparse"] - exchange(ran)["sparse"]
-        how += f" at density {ran:.3g}"
-      steps = {form: step_s}
-      if stale(other := _other(form)):  # the other form timed again at this link
-        other_s, = _slowest([self._time_step(self._level_of(other, step), state, batch)])
-        steps[other] = other_s
-        self.probe_s += PROBE_REPS * other_s
-        how += f"; {other} timed again (the link moved)"
-        fit({other: other_s})
-    else:  # the form in force, timed here (before the first choice: the cheaper exchange's)
-      now = exchange()
-      form, how = self.form or min(FORMS, key=now.__getitem__), "timed"
-      step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
-      steps, other = {form: step_s}, _other(form)
-      fit(steps)
-      # the first measurement: the other form's step too (a rule skipping it where the link
-      # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
-      if other not in self._rest or stale(other):
-        steps[other] = self._time_step(self._level_of(other, step), state, batch)
-      values = _slowest([*steps.values(), link_s + gradient_s])
-      steps, self.probe_s = dict(zip(steps, values)), values[-1]
-      fit(steps)
+    probe_s = link_s + time.perf_counter() - t0
+    got = observed and self._observed_steps(step, observed, read, probe_s, state, batch)
+    if got:
+      form, steps, how, link = got
+    else:  # (no window, or one at a warm-up level far from the final density)
+      observed = None
+      form, steps, how, link = self._timed_steps(step, read, probe_s, state, batch)
     if link != read:
       how += f"; the probes' link, {8e-6 * read.bytes_per_s:.3g} Mbit/s, raised to fit the steps"
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
-    now = rests(m, **model, density=self.compression.density, steps=steps)
+    now = {f: s - self._exchange(link)[f] for f, s in steps.items()}  # (`rests`)
     self._rest_link.update(dict.fromkeys(now, link))
     if observed is None:
       self._timed.update(now)
