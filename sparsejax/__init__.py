@@ -9,6 +9,7 @@ import importlib
 from sparsejax import accumulate, comm, compress, cost, feedback, finite, flat, hlo, optim, topk
 from sparsejax.accumulate import multi_steps
 from sparsejax.compress import dense_mean, hierarchical_mean, topk_allreduce
+from sparsejax.feedback import AdamCorrection, MomentumCorrection
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.optim import fused_adamw, fused_lamb, fused_lars, fused_sgd
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = ["accumulate", "comm", "compress", "cost", "feedback", "finite", "flat", "hlo", "optim",
            "topk",
-           "FlatLayout", "topk_allreduce", "dense_mean", "hierarchical_mean",
+           "FlatLayout", "topk_allreduce", "MomentumCorrection", "AdamCorrection", "dense_mean",
+           "hierarchical_mean",
            "apply_if_finite_across", "multi_steps", "mstopk",
            "exact_topk", "sampled_topk", "fused_sgd", "fused_lars", "fused_lamb", "fused_adamw"]
 

@@ -34,7 +34,7 @@ from jax import lax
 
 from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
-from sparsejax.feedback import Feedback, check_feedback, feedback_select
+from sparsejax.feedback import Feedback, MomentumCorrection, check_feedback, feedback_select
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "sparse_allgather",
            "sparse_hitopk", "sparse_gtopk", "sparse_higtopk", "sparse_collective",
@@ -438,9 +438,9 @@ def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
   part = collective.scatter(x)
   topk_lib.check_k(part, k)
   check_feedback(residual, part.shape[0], momentum)
-  values, indices, kept = feedback_select(part, residual, k, select, momentum=momentum,
-                                          nesterov=nesterov,
-                                          masking=masking and collective.reduce is None)
+  correction = MomentumCorrection(momentum, nesterov, masking and collective.reduce is None
+                                  ) if momentum else None
+  values, indices, kept = feedback_select(part, residual, k, select, correction=correction)
   return settle(collective, values, indices, kept, part.shape[0], masking)
 
 

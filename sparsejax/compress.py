@@ -18,6 +18,7 @@ inside `shard_map`. Skipping non-finite steps is `sparsejax.apply_if_finite_acro
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,9 +32,12 @@ from sparsejax import comm
 from sparsejax import topk as topk_lib
 from sparsejax.feedback import (
   AdamCorrection,
+  Correction,
   Feedback,
+  MomentumCorrection,
   feedback_select,
   init_feedback,
+  legacy_correction,
   tensor_weights,
 )
 from sparsejax.flat import FlatLayout
@@ -101,51 +105,36 @@ def _level(levels: tuple[float, ...], schedule: Callable | None, count: jax.Arra
   return level_index(levels, jnp.asarray(schedule(count), jnp.float32))
 
 
-def _check_args(density: Any, algorithm: str, error_feedback: bool, momentum: Any,
-                nesterov: bool, momentum_masking: Any, adam: Any = None) -> None:
+def _check_args(density: Any, algorithm: str, error_feedback: bool,
+                correction: Correction | None) -> None:
   if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
   if algorithm not in comm.ALGORITHMS:
     raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {list(comm.ALGORITHMS)}")
-  if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
-    raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-  if momentum and not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
-    raise ValueError(f"momentum correction (momentum={momentum!r}) needs a sparse algorithm "
+  if correction is None:
+    return
+  if not isinstance(correction, MomentumCorrection | AdamCorrection):
+    raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "
+                     f"AdamCorrection or None, got {correction!r}")
+  if not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
+    raise ValueError(f"a correction ({correction!r}) needs a sparse algorithm "
                      f"{comm.SPARSE_ALGORITHMS} with error feedback, got algorithm={algorithm!r}, "
                      f"error_feedback={error_feedback!r}; otherwise use the optimizer's momentum")
-  if nesterov and not momentum:
-    raise ValueError("nesterov=True needs momentum > 0")
-  if not isinstance(momentum_masking, bool):
-    raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
-  if adam is None:
+  if isinstance(correction, MomentumCorrection):
+    m = correction.momentum
+    if isinstance(m, bool) or not isinstance(m, int | float) or not 0 < m < 1:
+      raise ValueError(f"MomentumCorrection.momentum must be a number in (0, 1), got {m!r}")
+    if not isinstance(correction.masking, bool) or not isinstance(correction.nesterov, bool):
+      raise ValueError(f"MomentumCorrection.nesterov and .masking must be True or False, got "
+                       f"{correction!r}")
     return
-  if not isinstance(adam, AdamCorrection):
-    raise ValueError(f"adam must be a sparsejax.feedback.AdamCorrection or None, got {adam!r}")
-  if momentum or not (algorithm in comm.SPARSE_ALGORITHMS and error_feedback):
-    raise ValueError(f"Adam correction needs a sparse algorithm {comm.SPARSE_ALGORITHMS} with "
-                     f"error feedback and no momentum, got algorithm={algorithm!r}, "
-                     f"error_feedback={error_feedback!r}, momentum={momentum!r}")
-  if not (0 <= adam.b1 < 1 and 0 <= adam.b2 < 1 and adam.eps > 0):
-    raise ValueError(f"Adam correction needs b1, b2 in [0, 1) and eps > 0, got {adam}")
+  if not (0 <= correction.b1 < 1 and 0 <= correction.b2 < 1 and correction.eps > 0):
+    raise ValueError(f"Adam correction needs b1, b2 in [0, 1) and eps > 0, got {correction}")
 
 
-def _axes(algorithm: str, axis_name: Any, node_axis: str | None,
-          local_axis: str | None) -> tuple[str, ...]:
-  """The axes topk_allreduce runs over, from `axis_name` or `(node_axis, local_axis)`."""
-  if axis_name is not None:
-    if (node_axis, local_axis) != ("node", "local"):
-      raise ValueError(f"give the axes either as axis_name or as node_axis/local_axis, not both "
-                       f"(axis_name={axis_name!r}, node_axis={node_axis!r}, "
-                       f"local_axis={local_axis!r})")
-    return comm.axis_names(algorithm, axis_name)
-  pair = tuple(a for a in (node_axis, local_axis) if a is not None)
-  if algorithm in comm.HIERARCHICAL_ALGORITHMS and len(pair) != 2:
-    raise ValueError(f"algorithm {algorithm!r} needs two axes, node_axis (slow) and local_axis "
-                     f"(fast), got node_axis={node_axis!r}, local_axis={local_axis!r}; over one "
-                     f"axis use 'allgather' (sparse) or 'dense'")
-  if not pair:
-    raise ValueError("node_axis and local_axis are both None: name the axes (axis_name=...)")
-  return comm.axis_names(algorithm, pair)
+def _axes(algorithm: str, axis_name: Any) -> tuple[str, ...]:
+  """The axes topk_allreduce runs over: `axis_name`, by default `("node", "local")`."""
+  return comm.axis_names(algorithm, ("node", "local") if axis_name is None else axis_name)
 
 
 def _workers(algorithm: str, axes: tuple[str, ...]) -> tuple[int, int]:
@@ -224,8 +213,15 @@ def _everything(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return x, jnp.arange(x.shape[0], dtype=jnp.int32)
 
 
+def _unmasked(correction: Correction | None) -> Correction | None:
+  """`correction` with its velocity left unmasked (where nothing, or everything, is sent)."""
+  if isinstance(correction, MomentumCorrection):
+    return correction._replace(masking=False)
+  return correction
+
+
 def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Feedback | None,
-               feedback_args: dict, extra: dict) -> tuple[jax.Array, Feedback | None]:
+               correction: Correction | None, extra: dict) -> tuple[jax.Array, Feedback | None]:
   """The dense form of a sparse exchange: every candidate (the gradient plus the residual, with
   the correction's velocity or Adam direction) summed by an all-reduce; the residual emptied,
   the velocity and Adam moments run on (nothing is masked: a dense step with momentum
@@ -233,8 +229,8 @@ def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Fee
   weights (everything is sent). `(total (n,), feedback)`."""
   if feedback is None:
     return comm.settle_dense(collective, part), None
-  args = {**feedback_args, "masking": False}
-  values, _, kept = feedback_select(part, feedback, part.shape[0], _everything, **args, **extra)
+  values, _, kept = feedback_select(part, feedback, part.shape[0], _everything,
+                                    correction=_unmasked(correction), **extra)
   return comm.settle_dense(collective, values), kept._replace(
       residual=jnp.zeros_like(feedback.residual))
 
@@ -249,12 +245,12 @@ def _bytes_sent(algorithm: str, n: int, part_len: int, levels: tuple[float, ...]
 
 
 def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[float, ...],
-            density_schedule: Callable | None, error_feedback: bool, momentum: float,
-            feedback_args: dict, balance: str = "global", segments: Any = None,
+            density_schedule: Callable | None, error_feedback: bool,
+            correction: Correction | None, balance: str = "global", segments: Any = None,
             dense_level: bool = False) -> optax.GradientTransformation:
   """The mean through `collective`, `select`ing at one of `levels` per step, with error
-  feedback (`feedback_select(..., **feedback_args)`) if `error_feedback`; with `dense_level`,
-  `density_level=len(levels)` runs `_dense_run`."""
+  feedback (`feedback_select(..., correction=correction)`) if `error_feedback`; with
+  `dense_level`, `density_level=len(levels)` runs `_dense_run`."""
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"topk_allreduce(algorithm={collective.name!r})", collective.axes)
     layout = FlatLayout.from_tree(tree, pad_to=local)
@@ -264,7 +260,8 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
 
   def init_fn(params: Any) -> ExchangeState:
     part = shapes(params)[-1]
-    feedback = (init_feedback(part, momentum, feedback_args.get("adam") is not None)
+    momentum = correction.momentum if isinstance(correction, MomentumCorrection) else 0.0
+    feedback = (init_feedback(part, momentum, isinstance(correction, AdamCorrection))
                 if error_feedback else None)
     return ExchangeState(feedback, jnp.zeros([], jnp.int32), jnp.float32(levels[0]),
                          jnp.zeros([], jnp.float32))
@@ -280,7 +277,7 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
     part = collective.scatter(layout.ravel(updates, jnp.float32))
 
     def correction_args(feedback: Feedback | None, balanced: bool = True) -> dict:
-      extra = {} if feedback_args.get("adam") is None else {
+      extra = {} if not isinstance(correction, AdamCorrection) else {
           "count": state.count,  # each hierarchical shard sums its node's `local` gradients
           "scale": local if collective.name in comm.HIERARCHICAL_ALGORITHMS else 1}
       if balanced and balance == "tensor" and feedback is not None:
@@ -292,10 +289,10 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
       def run(part: jax.Array, feedback: Feedback | None):
         k = max(1, round(level * part_len))
         topk_lib.check_k(part, k)
-        masking = feedback_args["masking"]
+        masking = isinstance(correction, MomentumCorrection) and correction.masking
         values, indices, kept = feedback_select(
             part, feedback, k, select,
-            **{**feedback_args, "masking": masking and collective.reduce is None},
+            correction=correction if collective.reduce is None else _unmasked(correction),
             **correction_args(feedback))
         total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
         return total, kept if error_feedback else None
@@ -303,7 +300,7 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
 
     index = _level(levels, density_schedule, state.count, density_level, dense_level)
     if isinstance(index, int) and index == len(levels):  # the dense form
-      total, feedback = _dense_run(collective, part, state.feedback, feedback_args,
+      total, feedback = _dense_run(collective, part, state.feedback, correction,
                                    correction_args(state.feedback, balanced=False))
     else:
       runs = [at(level) for level in levels]
@@ -319,13 +316,10 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    selector: str | Callable = "mstopk",
                    axis_name: str | tuple[str, ...] | None = None,
-                   node_axis: str | None = "node", local_axis: str | None = "local",
-                   error_feedback: bool = True,
+                   correction: Correction | None = None, error_feedback: bool = True,
                    density_schedule: Callable[[jax.Array], jax.Array] | None = None,
-                   momentum: float = 0.0, nesterov: bool = False,
-                   momentum_masking: bool = True, adam: AdamCorrection | None = None,
-                   balance: str = "global", segments: Any = None, dense_level: bool = False
-                   ) -> optax.GradientTransformation:
+                   balance: str = "global", segments: Any = None, dense_level: bool = False,
+                   **deprecated: Any) -> optax.GradientTransformation:
   """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
 
   Args:
@@ -341,10 +335,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     axis_name: the axes the workers span, as JAX code binds them: one name
       (`jax.pmap(..., axis_name="batch")`, a 1-D mesh) or a tuple of names for "dense",
       "allgather" and "gtopk"; two names (slow inter-node, fast intra-node) for "hitopk",
-      "higtopk" and "hierarchical".
-      None (default): `(node_axis, local_axis)`.
-    node_axis, local_axis: the same as two names (slow, fast), the default spelling; a None one
-      is left out (for the flat algorithms). Give either these or `axis_name`.
+      "higtopk" and "hierarchical". None (default): `("node", "local")`.
+    correction: None (plain error feedback), `MomentumCorrection(momentum, nesterov=False,
+      masking=True)` or `AdamCorrection(b1, b2, eps)` (`sparsejax.feedback`), below.
     error_feedback: keep what was not sent and add it next step (`sparsejax.feedback`).
     density_schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and
       decay to `density`). Each step's value is rounded up to one of `density_levels(density)`, so
@@ -353,18 +346,16 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       as much as the exchange: the branches' outputs are copied): `update(...,
       density_level=level_index(density_levels(density), schedule(step)))` with a Python int,
       one compiled step per level (what sparsejax's trainer does).
-    momentum, nesterov: momentum correction (DGC, Lin et al. 2018; a `Feedback` with a
-      velocity): the momentum is accumulated per worker BEFORE top-k selection, so the returned
-      mean already carries it: chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`).
-      0 (default) = plain error feedback; needs a sparse algorithm and error feedback.
-    momentum_masking: with momentum correction, also zero the velocity where sent (DGC's
-      momentum factor masking). False lets it run on: sent plus kept is then exactly what
-      momentum SGD applies (better in sparsejax's convergence study, see the README).
-    adam: Adam correction, `AdamCorrection(b1, b2, eps)`: the worker's Adam moments run before
-      selection (the candidates are Adam directions; `sparsejax.feedback.adam_direction`), so
-      the returned mean is the workers' AdamW step without learning rate and decay: chain an SGD
-      without momentum whose weight decay is AdamW's (`optax.sgd(lr)` after
-      `optax.add_decayed_weights(wd)`). Excludes `momentum`.
+    A `MomentumCorrection` (DGC, Lin et al. 2018; a `Feedback` with a velocity) accumulates
+      the momentum per worker BEFORE top-k selection, so the returned mean already carries it:
+      chain an optimizer WITHOUT momentum (e.g. `optax.sgd(lr)`). Its `masking` (DGC's momentum
+      factor masking, the default) zeroes the velocity where sent; False lets it run on: sent
+      plus kept is then exactly what momentum SGD applies (better in sparsejax's convergence
+      study). An `AdamCorrection` runs the worker's Adam moments before selection (the
+      candidates are Adam directions; `sparsejax.feedback.adam_direction`), so the returned mean
+      is the workers' AdamW step without learning rate and decay: chain an SGD without momentum
+      whose weight decay is AdamW's (`optax.sgd(lr)` after `optax.add_decayed_weights(wd)`).
+      Either needs a sparse algorithm and error feedback.
     balance: "global" (one top-k over the whole buffer) or "tensor": the candidates of each
       tensor scaled by a power of two near 1 / their RMS before the one top-k, so each tensor
       gets about its share of the k (a global top-k starves tensors whose gradients are small,
@@ -379,6 +370,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       velocity or Adam direction) by an all-reduce ("dense" for the flat algorithms,
       "hierarchical" for the hierarchical ones) and empties the residual: nothing is lost when
       a run switches between sparse and dense exchanges (`sparsejax.train.auto`).
+    **deprecated: `node_axis=`, `local_axis=` (now `axis_name=(node, local)`, or one name),
+      `momentum=`, `nesterov=`, `momentum_masking=`, `adam=` (now `correction=`): still taken,
+      with a DeprecationWarning, until the next release.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with an `ExchangeState` (its update takes the
@@ -393,13 +387,15 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     ...                  optax.sgd(0.1, momentum=0.9))
     >>> # inside jax.pmap(..., axis_name="batch"): the same calls
   """
-  _check_args(density, algorithm, error_feedback, momentum, nesterov, momentum_masking, adam)
+  axis_name, correction = _deprecated(deprecated, axis_name, correction)
+  _check_args(density, algorithm, error_feedback, correction)
   if balance not in ("global", "tensor"):
     raise ValueError(f"balance must be 'global' or 'tensor', got {balance!r}")
-  if balance == "tensor" and (momentum or adam is not None or not error_feedback):
-    raise ValueError("balance='tensor' works with plain error feedback (no momentum or Adam "
-                     "correction, error_feedback=True)")
-  axes = _axes(algorithm, axis_name, node_axis, local_axis)
+  if balance == "tensor" and (correction is not None or not error_feedback):
+    raise ValueError(f"balance='tensor' works with plain error feedback (no correction, "
+                     f"error_feedback=True), got correction={correction!r}, "
+                     f"error_feedback={error_feedback!r}")
+  axes = _axes(algorithm, axis_name)
   select = topk_lib.get_selector(selector)
   if dense_level and algorithm not in comm.SPARSE_ALGORITHMS:
     raise ValueError(f"dense_level=True needs a sparse algorithm {comm.SPARSE_ALGORITHMS}, got "
@@ -410,7 +406,42 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     return hierarchical_mean(*axes)
   collective = comm.sparse_collective(algorithm, axes)
   levels = density_levels(density) if density_schedule is not None else (float(density),)
-  return _sparse(collective, select, levels, density_schedule, error_feedback, momentum,
-                 {"momentum": momentum, "nesterov": nesterov,
-                  "masking": momentum_masking and adam is None, "adam": adam}, balance, segments,
-                 dense_level)
+  return _sparse(collective, select, levels, density_schedule, error_feedback, correction,
+                 balance, segments, dense_level)
+
+
+_DEPRECATED = ("node_axis", "local_axis", "momentum", "nesterov", "momentum_masking", "adam")
+
+
+def _deprecated(old: dict[str, Any], axis_name: Any, correction: Correction | None
+                ) -> tuple[Any, Correction | None]:
+  """`(axis_name, correction)` with the keywords of earlier releases folded in (each with a
+  DeprecationWarning); a TypeError for a keyword topk_allreduce never took."""
+  unknown = sorted(set(old) - set(_DEPRECATED))
+  if unknown:
+    raise TypeError(f"topk_allreduce got unexpected keyword(s) {unknown}; it takes density, "
+                    "algorithm, selector, axis_name, correction, error_feedback, "
+                    "density_schedule, balance, segments, dense_level")
+  if "node_axis" in old or "local_axis" in old:
+    if axis_name is not None:
+      raise ValueError(f"give the axes either as axis_name or as node_axis/local_axis, not both "
+                       f"(axis_name={axis_name!r}, {sorted(old)})")
+    names = tuple(a for a in (old.get("node_axis", "node"), old.get("local_axis", "local"))
+                  if a is not None)
+    axis_name = names[0] if len(names) == 1 else names
+    warnings.warn(f"topk_allreduce: node_axis= and local_axis= are deprecated and go in the "
+                  f"next release; pass axis_name={axis_name!r}", DeprecationWarning,
+                  stacklevel=3)
+  spelled = {k: old[k] for k in ("momentum", "nesterov", "adam") if k in old}
+  if "momentum_masking" in old:
+    spelled["masking"] = old["momentum_masking"]
+  if spelled:
+    if correction is not None:
+      raise ValueError(f"give either correction= or {sorted(spelled)}, not both")
+    if "adam" in spelled and (spelled.get("momentum") or spelled.get("nesterov")):
+      raise ValueError(f"Adam correction excludes momentum correction, got "
+                       f"momentum={spelled.get('momentum')!r}, adam={spelled['adam']!r}")
+    if isinstance(spelled.get("masking", True), bool) is False:
+      raise ValueError(f"momentum_masking must be True or False, got {spelled['masking']!r}")
+    correction = legacy_correction("topk_allreduce", stacklevel=4, **spelled)
+  return axis_name, correction

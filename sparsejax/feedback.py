@@ -8,20 +8,24 @@ optimizer after the exchange then runs without momentum.
 
 The memory has ONE type, `Feedback(residual, velocity)` (velocity None without momentum
 correction), and one operation, `feedback_select`: the candidates from the buffer and the memory,
-the top-k of them, and the memory for the next step.
+the top-k of them, and the memory for the next step. A correction is one typed value,
+`MomentumCorrection(momentum, nesterov, masking)` or `AdamCorrection(b1, b2, eps)`, passed as
+`correction=` here and to `sparsejax.topk_allreduce`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from sparsejax import topk as topk_lib
 
-__all__ = ["Feedback", "AdamCorrection", "adam_direction", "tensor_weights", "init_feedback",
+__all__ = ["Feedback", "MomentumCorrection", "AdamCorrection", "Correction", "legacy_correction",
+           "adam_direction", "tensor_weights", "init_feedback",
            "check_feedback", "feedback_select"]
 
 Selector = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | str
@@ -43,6 +47,18 @@ class Feedback(NamedTuple):
   second: jax.Array | None = None
 
 
+class MomentumCorrection(NamedTuple):
+  """DGC momentum correction (Lin et al. 2018): each worker's momentum accumulated before
+  selection (a velocity beside the residual), so a value sent late carries the momentum it
+  would have had; chain an optimizer without momentum behind the exchange. `masking`: zero the
+  velocity where sent (DGC's momentum factor masking); False lets it run on, and sent plus kept
+  is then exactly what momentum SGD applies."""
+
+  momentum: float
+  nesterov: bool = False
+  masking: bool = True
+
+
 class AdamCorrection(NamedTuple):
   """Adam's moments accumulated per worker before selection (momentum correction for AdamW):
   the candidates are the worker's Adam direction `m_hat / (sqrt(v_hat) + eps)`, so error
@@ -56,6 +72,31 @@ class AdamCorrection(NamedTuple):
   b1: float
   b2: float
   eps: float
+
+
+Correction = MomentumCorrection | AdamCorrection  # what `correction=` takes (or None)
+
+
+def legacy_correction(where: str, momentum: float = 0.0, nesterov: bool = False,
+                      masking: bool = True, adam: AdamCorrection | None = None,
+                      stacklevel: int = 3) -> Correction | None:
+  """The `correction` the keywords `momentum`, `nesterov`, `momentum_masking` / `masking` and
+  `adam` of earlier releases spell, with a DeprecationWarning naming the new spelling (none is
+  raised where they are all at their defaults)."""
+  if adam is not None:
+    new = f"correction={adam!r}"
+    correction: Correction | None = adam
+    if momentum or nesterov or masking is not True:
+      correction = None  # (both given: the caller's checks refuse it by name)
+  elif momentum or nesterov or masking is not True:
+    correction = MomentumCorrection(momentum, nesterov, masking)
+    new = f"correction={correction!r}"
+  else:
+    return None
+  warnings.warn(f"{where}: momentum=, nesterov=, momentum_masking= and adam= are deprecated and "
+                f"go in the next release; pass {new} (sparsejax.feedback)",
+                DeprecationWarning, stacklevel=stacklevel)
+  return correction
 
 
 def adam_direction(x: jax.Array, feedback: Feedback, adam: AdamCorrection, count: jax.Array
@@ -112,48 +153,79 @@ def check_feedback(feedback: Feedback | None, length: int, momentum: float) -> N
                        f"got {r.shape}")
 
 
+def _plain(x: jax.Array, feedback: Feedback, k: int, select: Selector
+           ) -> tuple[jax.Array, jax.Array, Feedback]:
+  values, indices, residual = topk_lib.select_feedback(select, x, feedback.residual, k)
+  return values, indices, Feedback(residual)
+
+
+def _weighted(x: jax.Array, feedback: Feedback, k: int, select: Selector, weights: jax.Array
+              ) -> tuple[jax.Array, jax.Array, Feedback]:
+  values, indices, residual = topk_lib.select_feedback(select, x * weights,
+                                                       feedback.residual * weights, k)
+  return values / weights[indices], indices, Feedback(residual / weights)
+
+
+def _momentum(x: jax.Array, feedback: Feedback, k: int, select: Selector,
+              correction: MomentumCorrection) -> tuple[jax.Array, jax.Array, Feedback]:
+  velocity = correction.momentum * feedback.velocity + x
+  term = x + correction.momentum * velocity if correction.nesterov else velocity
+  # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
+  # kernel (topk.select_feedback).
+  values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
+  if correction.masking:
+    velocity = velocity.at[indices].set(0, unique_indices=True)
+  return values, indices, Feedback(residual, velocity)
+
+
+def _adam(x: jax.Array, feedback: Feedback, k: int, select: Selector, correction: AdamCorrection,
+          count: jax.Array | None, scale: float) -> tuple[jax.Array, jax.Array, Feedback]:
+  direction, m, v = adam_direction(x / scale, feedback, correction, count)
+  values, indices, residual = topk_lib.select_feedback(select, scale * direction,
+                                                       feedback.residual, k)
+  return values, indices, Feedback(residual, m, v)  # the moments run on (no masking)
+
+
 def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
-                    select: Selector = topk_lib.mstopk, *, momentum: float = 0.0,
-                    nesterov: bool = False, masking: bool = True,
-                    adam: AdamCorrection | None = None, count: jax.Array | None = None,
-                    scale: float = 1.0, weights: jax.Array | None = None
+                    select: Selector = topk_lib.mstopk, *, correction: Correction | None = None,
+                    count: jax.Array | None = None, scale: float = 1.0,
+                    weights: jax.Array | None = None, **deprecated: Any
                     ) -> tuple[jax.Array, jax.Array, Feedback]:
   """The k largest |candidates| of a 1-D buffer `x` and the memory for the next step.
 
-  The candidates are `x + residual` (plain error feedback), `velocity + residual` with momentum
-  correction (`x + momentum * velocity + residual` with Nesterov), `scale * adam_direction(x /
-  scale) + residual` with `adam` (the moments after `count` earlier steps; `scale`: how many
-  workers' gradients `x` sums, so the Adam direction is taken of their mean), or `x` alone
-  without memory. With `weights` (plain error feedback only; `tensor_weights`), the selection is
-  of the k largest |weights * candidates|; the values and the memory are the candidates' own.
+  The candidates are `x + residual` (plain error feedback), `velocity + residual` with a
+  `MomentumCorrection` (`x + momentum * velocity + residual` with Nesterov), `scale *
+  adam_direction(x / scale) + residual` with an `AdamCorrection` (the moments after `count`
+  earlier steps; `scale`: how many workers' gradients `x` sums, so the Adam direction is taken
+  of their mean), or `x` alone without memory. With `weights` (plain error feedback only;
+  `tensor_weights`), the selection is of the k largest |weights * candidates|; the values and
+  the memory are the candidates' own. (`momentum=`, `nesterov=`, `masking=`, `adam=`: the
+  correction as earlier releases spelled it, deprecated.)
 
   Returns:
     `(values, indices, Feedback)`: `values == candidates[indices]` (int32[k]); the new residual is
     the candidates with the sent values zeroed (without memory: `x` with them zeroed), the new
-    velocity zeroed there too with `masking`.
+    velocity zeroed there too with momentum masking.
   """
+  if deprecated:
+    unknown = set(deprecated) - {"momentum", "nesterov", "masking", "adam"}
+    if unknown:
+      raise TypeError(f"feedback_select got unexpected keyword(s) {sorted(unknown)}")
+    correction = correction or legacy_correction("feedback_select", **deprecated)
   if feedback is None:
     values, indices = topk_lib.get_selector(select)(x, k)
     return values, indices, Feedback(x.at[indices].set(0, unique_indices=True))
-  dtype = feedback.residual.dtype
-  if adam is not None:
-    direction, m, v = adam_direction(x.astype(dtype) / scale, feedback, adam, count)
-    values, indices, residual = topk_lib.select_feedback(select, scale * direction,
-                                                         feedback.residual, k)
-    return values, indices, Feedback(residual, m, v)  # the moments run on (no masking)
-  if feedback.velocity is None and weights is not None:
-    values, indices, residual = topk_lib.select_feedback(
-        select, x.astype(dtype) * weights, feedback.residual * weights, k)
-    return values / weights[indices], indices, Feedback(residual / weights)
-  if feedback.velocity is None:
-    values, indices, residual = topk_lib.select_feedback(select, x.astype(dtype),
-                                                         feedback.residual, k)
-    return values, indices, Feedback(residual)
-  velocity = momentum * feedback.velocity + x.astype(dtype)
-  term = x.astype(dtype) + momentum * velocity if nesterov else velocity
-  # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
-  # kernel (topk.select_feedback).
-  values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
-  if masking:
-    velocity = velocity.at[indices].set(0, unique_indices=True)
-  return values, indices, Feedback(residual, velocity)
+  x = x.astype(feedback.residual.dtype)
+  if correction is not None and not isinstance(correction, MomentumCorrection | AdamCorrection):
+    raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "
+                     f"AdamCorrection or None, got {correction!r}")
+  if feedback.velocity is not None and correction is None:
+    raise ValueError("a Feedback with a velocity needs correction=MomentumCorrection(...) or "
+                     "AdamCorrection(...)")
+  if isinstance(correction, AdamCorrection):
+    return _adam(x, feedback, k, select, correction, count, scale)
+  if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
+    return _momentum(x, feedback, k, select, correction)
+  if weights is not None:
+    return _weighted(x, feedback, k, select, weights)
+  return _plain(x, feedback, k, select)

@@ -1,7 +1,8 @@
-"""Adam correction (`topk_allreduce(..., adam=AdamCorrection(b1, b2, eps))`): each worker's Adam
-moments before the selection. Dense, it is AdamW exactly (optax.adamw, the node's mean gradient on
-a hierarchical mesh); sparse, nothing is lost (what was sent plus what is kept is the sum of the
-Adam directions); the trainer builds it from `momentum_correction` with adamw."""
+"""Adam correction (`topk_allreduce(..., correction=AdamCorrection(b1, b2, eps))`): each
+worker's Adam moments before the selection. Dense, it is AdamW exactly (optax.adamw, the node's
+mean gradient on a hierarchical mesh); sparse, nothing is lost (what was sent plus what is kept
+is the sum of the Adam directions); the trainer builds it from `momentum_correction` with
+adamw."""
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ def test_dense_adam_correction_is_optax_adamw_on_the_node_mean():
   params = _params(rng)
   steps = [jax.tree.map(lambda x: rng.standard_normal((3,) + x.shape).astype(np.float32),
                         params) for _ in range(4)]
-  tx = optax.chain(topk_allreduce(1.0, adam=ADAM, selector="exact"),
+  tx = optax.chain(topk_allreduce(1.0, correction=ADAM, selector="exact"),
                    optax.add_decayed_weights(0.1, _mask), optax.sgd(0.01))
   ref = optax.adamw(0.01, b1=ADAM.b1, b2=ADAM.b2, eps=ADAM.eps, weight_decay=0.1, mask=_mask)
 
@@ -62,7 +63,7 @@ def test_sparse_adam_correction_loses_nothing():
   params = _params(rng)
   grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
            for _ in range(6)]
-  tx = topk_allreduce(0.2, adam=ADAM, selector="exact", algorithm="allgather",
+  tx = topk_allreduce(0.2, correction=ADAM, selector="exact", algorithm="allgather",
                       axis_name="batch")
 
   def body(p):
@@ -88,14 +89,14 @@ def test_sparse_adam_correction_loses_nothing():
 
 
 def test_adam_correction_refuses_what_does_not_fit():
-  with pytest.raises(ValueError, match="no momentum"):
+  with pytest.raises(ValueError, match="excludes momentum correction"):
     topk_allreduce(0.01, adam=ADAM, momentum=0.9)
   with pytest.raises(ValueError, match="error feedback"):
-    topk_allreduce(0.01, adam=ADAM, error_feedback=False)
+    topk_allreduce(0.01, correction=ADAM, error_feedback=False)
   with pytest.raises(ValueError, match=r"b1, b2 in \[0, 1\)"):
-    topk_allreduce(0.01, adam=AdamCorrection(1.0, 0.98, 1e-8))
+    topk_allreduce(0.01, correction=AdamCorrection(1.0, 0.98, 1e-8))
   with pytest.raises(ValueError, match="AdamCorrection or None"):
-    topk_allreduce(0.01, adam=(0.9, 0.98, 1e-8))
+    topk_allreduce(0.01, correction=(0.9, 0.98, 1e-8))
 
 
 def test_the_config_turns_it_on_with_adamw_and_names_what_is_allowed():

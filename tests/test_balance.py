@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sparsejax.compress import topk_allreduce
-from sparsejax.feedback import tensor_weights
+from sparsejax.feedback import MomentumCorrection, tensor_weights
 from tests.conftest import make_mesh
 
 
@@ -74,4 +74,4 @@ def test_balance_refuses_what_it_does_not_support():
   with pytest.raises(ValueError, match="balance must be 'global' or 'tensor', got 'layer'"):
     topk_allreduce(0.01, balance="layer")
   with pytest.raises(ValueError, match="plain error feedback"):
-    topk_allreduce(0.01, balance="tensor", momentum=0.9)
+    topk_allreduce(0.01, balance="tensor", correction=MomentumCorrection(0.9))

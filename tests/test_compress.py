@@ -15,6 +15,7 @@ from sparsejax.compress import (
   level_index,
   topk_allreduce,
 )
+from sparsejax.feedback import AdamCorrection, MomentumCorrection
 from sparsejax.finite import apply_if_finite_across
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -175,7 +176,8 @@ def test_momentum_correction_loses_nothing(rng, masking):
   bad = grads_like(rng, p)
   bad["b"][3, 2] = np.inf
   tx = apply_if_finite_across(
-      topk_allreduce(0.03, algorithm=algorithm, momentum=m, momentum_masking=masking),
+      topk_allreduce(0.03, algorithm=algorithm,
+                     correction=MomentumCorrection(m, masking=masking)),
       ("node", "local"))
   outs, wrapped = run_steps(make_mesh(nodes, local), tx, seq + [bad])
   state = wrapped.inner_state
@@ -214,17 +216,19 @@ def test_bad_input():
     topk_allreduce(0.1, algorithm="ring")
   with pytest.raises(ValueError, match="unknown selector 'fast'"):
     topk_allreduce(0.1, selector="fast")
-  for m in (-0.1, 1.0, "0.9", True):
-    with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\)"):
-      topk_allreduce(0.1, momentum=m)
+  for m in (-0.1, 0, 1.0, "0.9", True):
+    with pytest.raises(ValueError, match="momentum must be a number in \\(0, 1\\), got"):
+      topk_allreduce(0.1, correction=MomentumCorrection(m))
   with pytest.raises(ValueError, match="algorithm='dense'"):
-    topk_allreduce(0.1, algorithm="dense", momentum=0.9)
+    topk_allreduce(0.1, algorithm="dense", correction=MomentumCorrection(0.9))
   with pytest.raises(ValueError, match="error_feedback=False"):
-    topk_allreduce(0.1, momentum=0.9, error_feedback=False)
-  with pytest.raises(ValueError, match="nesterov=True needs momentum"):
-    topk_allreduce(0.1, nesterov=True)
-  with pytest.raises(ValueError, match="momentum_masking must be True or False, got 'no'"):
-    topk_allreduce(0.1, momentum=0.9, momentum_masking="no")
+    topk_allreduce(0.1, correction=MomentumCorrection(0.9), error_feedback=False)
+  with pytest.raises(ValueError, match="nesterov and .masking must be True or False"):
+    topk_allreduce(0.1, correction=MomentumCorrection(0.9, masking="no"))
+  with pytest.raises(ValueError, match="correction must be a sparsejax.feedback"):
+    topk_allreduce(0.1, correction=0.9)
+  with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['momentun'\]"):
+    topk_allreduce(0.1, momentun=0.9)
   tx = topk_allreduce(0.1)
   with pytest.raises(ValueError, match="'node' is not bound"):
     tx.init({"w": jnp.ones(4)})
@@ -301,7 +305,7 @@ def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
   nodes, local, m = 2, 4, 0.9
   p = nodes * local
   seq = [grads_like(rng, p) for _ in range(4)]
-  tx = topk_allreduce(0.02, momentum=m, momentum_masking=True, dense_level=True)
+  tx = topk_allreduce(0.02, correction=MomentumCorrection(m, masking=True), dense_level=True)
   outs, state = run_levels(make_mesh(nodes, local), tx, seq, [1, 1, 1, 0])
   leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
                                      for x in jax.tree.leaves(t)], axis=1)
@@ -319,3 +323,31 @@ def test_dense_level_needs_a_sparse_algorithm_and_a_level_in_range(rng):
     tx = topk_allreduce(0.1, dense_level=dense)
     with pytest.raises(ValueError, match=f"density_level must be a Python int in \\[0, {bad}\\)"):
       run_levels(make_mesh(2, 4), tx, [grads_like(rng, 8)], [bad])
+
+
+def test_the_keywords_of_earlier_releases_still_work_with_a_deprecation_warning(rng):
+  """`momentum=`, `nesterov=`, `momentum_masking=`, `adam=`, `node_axis=` and `local_axis=`
+  build the same exchange as `correction=` and `axis_name=`, each with a DeprecationWarning
+  naming the new spelling; mixing the two spellings is refused."""
+  nodes, local = 2, 4
+  seq = [grads_like(rng, nodes * local) for _ in range(3)]
+  mesh = make_mesh(nodes, local)
+  cases = [
+      (dict(momentum=0.9, nesterov=True, momentum_masking=False),
+       dict(correction=MomentumCorrection(0.9, nesterov=True, masking=False)),
+       "correction=MomentumCorrection"),
+      (dict(adam=AdamCorrection(0.9, 0.98, 1e-8)),
+       dict(correction=AdamCorrection(0.9, 0.98, 1e-8)), "correction=AdamCorrection"),
+      (dict(node_axis="node", local_axis="local"), dict(axis_name=("node", "local")),
+       "axis_name=\\('node', 'local'\\)")]
+  for old, new, says in cases:
+    with pytest.warns(DeprecationWarning, match=says):
+      before = topk_allreduce(0.05, selector="exact", **old)
+    got, _ = run_steps(mesh, before, seq)
+    want, _ = run_steps(mesh, topk_allreduce(0.05, selector="exact", **new), seq)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="either correction= or"):
+    topk_allreduce(0.1, correction=MomentumCorrection(0.9), momentum=0.9)
+  with pytest.raises(ValueError, match="either as axis_name or as node_axis"):
+    topk_allreduce(0.1, axis_name=("node", "local"), node_axis="node")

@@ -268,8 +268,8 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
                                     "compression.density": 0.02,
                                     "experimental.momentum_masking": True,
                                     "model.num_filters": 4}))
-  assert momentum_correction(config) == MomentumCorrection(
-      momentum=0.9, nesterov=True, masking=True, weight_decay=5e-4)
+  assert momentum_correction(config) == MomentumCorrection(momentum=0.9, nesterov=True,
+                                                          masking=True)
   assert config.optimizer.momentum == 0.9  # the config is not rewritten
   mesh = make_mesh(2, 4)
   setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)

@@ -29,7 +29,7 @@ import optax
 from sparsejax import optim
 from sparsejax.comm import SPARSE_ALGORITHMS
 from sparsejax.compress import density_levels, level_index, topk_allreduce
-from sparsejax.feedback import AdamCorrection
+from sparsejax.feedback import AdamCorrection, MomentumCorrection
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
@@ -110,15 +110,6 @@ def replace_parts(opt_state: Any, **parts: Any) -> Any:
   return opt_state._replace(inner_state=chain_parts(opt_state)._replace(**parts))
 
 
-class MomentumCorrection(NamedTuple):
-  """DGC momentum correction as the compressor runs it (from the config's `optimizer` group)."""
-
-  momentum: float
-  nesterov: bool
-  masking: bool  # zero the velocity where sent (DGC's momentum factor masking)
-  weight_decay: float  # added to the gradient in front of the compressor
-
-
 def exchange_algorithm(config: Any) -> str:
   """The algorithm a validated config's compressor is built for: `auto.sparse` under "auto"
   (which adds the dense form), else `compression.algorithm`."""
@@ -146,8 +137,7 @@ def momentum_correction(config: Any) -> MomentumCorrection | None:
   c, o = config.compression, config.optimizer
   if not (c.momentum_correction and exchange_algorithm(config) in SPARSE_ALGORITHMS):
     return None
-  return MomentumCorrection(o.momentum, o.nesterov, config.experimental.momentum_masking,
-                            o.weight_decay)
+  return MomentumCorrection(o.momentum, o.nesterov, config.experimental.momentum_masking)
 
 
 def compressor(config: Any, density_schedule: Callable | None = None,
@@ -157,15 +147,11 @@ def compressor(config: Any, density_schedule: Callable | None = None,
   """The exchange a validated config describes (its `compression` group, with `auto.sparse`
   under "auto" and the `experimental` options), with momentum or Adam correction if given."""
   c = config.compression
-  corrected = {} if correction is None else {
-      "momentum": correction.momentum, "nesterov": correction.nesterov,
-      "momentum_masking": correction.masking}
-  if adam is not None:
-    corrected = {"adam": adam}
   return topk_allreduce(c.density, algorithm=exchange_algorithm(config), selector=c.selector,
-                        error_feedback=c.error_feedback, density_schedule=density_schedule,
-                        balance=config.experimental.balance, dense_level=has_dense_form(config),
-                        segments=None if layout is None else layout.segment_ids, **corrected)
+                        correction=adam or correction, error_feedback=c.error_feedback,
+                        density_schedule=density_schedule, balance=config.experimental.balance,
+                        dense_level=has_dense_form(config),
+                        segments=None if layout is None else layout.segment_ids)
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
@@ -249,7 +235,7 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
   # with neither behind it.
   return train_chain(
       weight_decay_first(compressor(config, density, correction),
-                         correction.weight_decay, layout),
+                         config.optimizer.weight_decay, layout),
       optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
                       weight_decay_mask=decay_mask, layout=layout))
 
