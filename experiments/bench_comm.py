@@ -59,17 +59,6 @@ DENSITIES = (0.01, 0.001)
 NODES, PROCS = 2, 2
 
 
-def _tc_sent_bytes() -> int:
-  """Bytes sent so far through this namespace's eth0 qdisc (the node's inter-node link)."""
-  out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "eth0"], capture_output=True,
-                       text=True).stdout
-  for token_line in out.splitlines():
-    token_line = token_line.strip()
-    if token_line.startswith("Sent "):
-      return int(token_line.split()[1])
-  return 0
-
-
 def _stats(times: list[float]) -> dict[str, float]:
   return {"median_s": statistics.median(times), "q1_s": float(np.percentile(times, 25)),
           "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
@@ -78,14 +67,15 @@ def _stats(times: list[float]) -> dict[str, float]:
 def time_exchange(call, barrier, reps: int, measure_link: bool, **labels) -> dict:
   """Times `call()` `reps` times, each after `barrier()`; with `measure_link`, the bytes this
   node sent over its link during the calls (tc), per call."""
+  from sparsejax import cluster
   times, sent = [], 0
   for _ in range(reps):
     barrier()
-    before = _tc_sent_bytes() if measure_link else 0
+    before = cluster.qdisc_sent_bytes() if measure_link else 0
     t0 = time.perf_counter()
     call()
     times.append(time.perf_counter() - t0)
-    sent += (_tc_sent_bytes() - before) if measure_link else 0
+    sent += (cluster.qdisc_sent_bytes() - before) if measure_link else 0
   return {**labels, **_stats(times), "node_egress_bytes": sent / reps if measure_link else None}
 
 

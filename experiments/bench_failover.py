@@ -27,7 +27,6 @@ trial is a separate process run on a new cluster; the table gives min / median /
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import signal
@@ -44,8 +43,8 @@ if not __package__:  # run as `python experiments/bench_failover.py`: import fro
   sys.path.insert(0, ROOT)
 
 from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
+from sparsejax.bench import RUN_TOKEN, TimedLog, launched_pids, running  # noqa: E402
 
-TOKEN = "SPARSEJAX_FAILOVER_TOKEN"  # in the environment of one trial's processes
 MODES = {"launcher": 2.0, "self": 60.0}  # the launcher's grace between SIGTERM and SIGKILL
 QUICK = {"nodes": 3, "runs": 1}
 
@@ -74,32 +73,6 @@ def run_worker(seconds: float) -> None:
     time.sleep(0.01)
 
 
-class TimedLog:
-  """A text sink for the launcher's output that keeps when each line arrived."""
-
-  def __init__(self) -> None:
-    self.lines: list[tuple[float, str]] = []
-    self._part = ""
-    self._lock = threading.Lock()
-
-  def write(self, text: str) -> None:
-    with self._lock:
-      *done, self._part = (self._part + text).split("\n")
-      now = time.monotonic()
-      self.lines += [(now, line) for line in done]
-
-  def flush(self) -> None:
-    pass
-
-  def count(self, needle: str) -> int:
-    with self._lock:
-      return sum(needle in line for _, line in self.lines)
-
-  def first(self, needle: str) -> tuple[float, str] | None:
-    with self._lock:
-      return next(((t, line) for t, line in self.lines if needle in line), None)
-
-
 def _job(kind: str, nodes: int, workdir: str) -> tuple[list[str], list[str] | None]:
   """(argv, program) of `cluster.launch` for the job `kind`."""
   if kind == "collectives":
@@ -120,34 +93,6 @@ def _running_job(kind: str, log: TimedLog, world: int, workdir: str) -> bool:
     return sum(1 for _ in f) >= 3  # the header and two steps
 
 
-def _pids(token: str, world: int) -> dict[int, int]:
-  """rank -> pid of this trial's launched processes (their environment carries `token`)."""
-  from sparsejax import cluster
-  ranks, parents = {}, {}
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    with contextlib.suppress(OSError):
-      with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-      if env.get(TOKEN.encode()) == token.encode() and int(pid) != os.getpid():
-        with open(f"/proc/{pid}/stat") as f:
-          parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        ranks[int(pid)] = int(env[cluster.ENV["process_id"].encode()])
-  # the launched processes, not their children (which inherit the environment)
-  found = {rank: pid for pid, rank in ranks.items() if parents[pid] not in ranks}
-  if len(found) != world:
-    raise RuntimeError(f"found {len(found)} of the {world} launched processes")
-  return found
-
-
-def _running(pid: int) -> bool:
-  """Whether `pid` runs (a zombie, ended but not yet waited for, does not)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 # ----------------------------------------------------------------------------- one trial
 
 def measure_failover(nodes: int, victim: int, sig: int = signal.SIGKILL, *,
@@ -164,7 +109,7 @@ def measure_failover(nodes: int, victim: int, sig: int = signal.SIGKILL, *,
     argv, program = _job(job, nodes, workdir)
     launcher = threading.Thread(target=lambda: result.update(rc=cluster.launch(
         argv, nodes=nodes, procs_per_node=1, bandwidth=rate, init_timeout_s=120, out=out,
-        program=program, extra_env={TOKEN: token}, heartbeat_timeout_s=heartbeat_timeout_s,
+        program=program, extra_env={RUN_TOKEN: token}, heartbeat_timeout_s=heartbeat_timeout_s,
         lost_grace_s=lost_grace_s)))
     launcher.start()
     deadline = time.monotonic() + start_timeout_s
@@ -173,11 +118,11 @@ def measure_failover(nodes: int, victim: int, sig: int = signal.SIGKILL, *,
         tail = "\n".join(line for _, line in out.lines[-30:])
         raise RuntimeError(f"the {job} job did not start within {start_timeout_s:g} s:\n{tail}")
       time.sleep(0.1)
-    pids = _pids(token, nodes)
+    pids = launched_pids(token, nodes)
     t0 = time.monotonic()
     os.kill(pids[victim], sig)
     others = [p for r, p in pids.items() if r != victim]
-    while any(_running(p) for p in others) and time.monotonic() - t0 < 120:
+    while any(running(p) for p in others) and time.monotonic() - t0 < 120:
       time.sleep(0.02)
     ended_s = time.monotonic() - t0
     launcher.join(180)
@@ -230,7 +175,7 @@ def _victims(spec: str, nodes: int) -> list[tuple[str, int]]:
 
 
 def drive(args, argv: list[str]) -> int:
-  from experiments.time_to_accuracy import _exclusive
+  from sparsejax.bench import exclusive
   victims = _victims(args.victims, args.nodes)
   meta = {"nodes": args.nodes, "runs": args.runs, "job": args.job, "rate": args.rate,
           "heartbeat_timeout_s": args.heartbeat, "signal": args.signal, "modes": args.modes,
@@ -241,7 +186,7 @@ def drive(args, argv: list[str]) -> int:
   for run in range(args.runs):  # every case once per run: a slow spell hits all alike
     for label, rank in victims:
       for mode in args.modes.split(","):
-        with _exclusive(args.lock):
+        with exclusive(args.lock):
           trial = measure_failover(args.nodes, rank, signal.Signals[args.signal],
                                    lost_grace_s=MODES[mode], job=args.job, rate=args.rate,
                                    heartbeat_timeout_s=args.heartbeat or None, log=sys.stdout)

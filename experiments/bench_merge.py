@@ -5,7 +5,7 @@
 
 A merge takes two sets of k (value, index) pairs (distinct indices in each, a realistic overlap:
 a quarter of one set's positions in the other), sums the values of a position in both and
-keeps the k largest |sums| (`comm._merge_top`: a sort of 2k pairs by index, a top-k of 2k).
+keeps the k largest |sums| (`comm.merge_top`: a sort of 2k pairs by index, a top-k of 2k).
 Each of `--procs` separate processes, pinned to one core, times `--calls` jitted calls after a
 warm-up; the table gives min / median / max over the processes of their medians, and the
 seconds per candidate pair (2k a merge) that `experiments/node_scaling.py` uses for the merges
@@ -43,7 +43,7 @@ def time_merges(k: int, calls: int) -> float:
   ib = np.concatenate([ia[: k // 4], rng.choice(n, k - k // 4, replace=False)])
   a = (jnp.asarray(rng.standard_normal(k), jnp.float32), jnp.asarray(ia, jnp.int32))
   b = (jnp.asarray(rng.standard_normal(k), jnp.float32), jnp.asarray(ib, jnp.int32))
-  merge = jax.jit(lambda a, b: comm._merge_top(a, b, k, n))
+  merge = jax.jit(lambda a, b: comm.merge_top(a, b, k, n))
   jax.block_until_ready(merge(a, b))
   times = []
   for _ in range(calls):

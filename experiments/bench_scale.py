@@ -176,8 +176,8 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str
 
 def run_worker(args) -> None:
   """One node: its buffer, every algorithm's calls, every node's records gathered to rank 0."""
-  from experiments.time_to_accuracy import pin_to_core
   from sparsejax import cluster
+  from sparsejax.bench import pin_to_core
   pin_to_core(int(os.environ.get(cluster.ENV["process_id"], "0")))
   cluster.initialize()
   import jax
@@ -233,8 +233,8 @@ def _alarm(signum, frame):
 def one_run(nodes: int, run: int, args, log) -> dict | None:
   """One process run of every algorithm on a fresh cluster of `nodes` nodes; None if it failed
   or ran past --run-timeout (recorded by the caller)."""
-  from experiments.time_to_accuracy import _exclusive
   from sparsejax import cluster
+  from sparsejax.bench import exclusive
   argv = ["--size", args.size, "--density", str(args.density), "--dense-fraction",
           str(args.dense_fraction), "--compute-ms", str(args.compute_ms), "--reps",
           str(args.reps), "--warmup", str(args.warmup), "--algorithms", args.algorithms,
@@ -242,7 +242,7 @@ def one_run(nodes: int, run: int, args, log) -> dict | None:
   old = signal.signal(signal.SIGALRM, _alarm)
   signal.alarm(args.run_timeout)
   try:
-    with _exclusive(args.lock), cluster.EmulatedCluster(nodes, args.rate_bps) as c:
+    with exclusive(args.lock), cluster.EmulatedCluster(nodes, args.rate_bps) as c:
       got = launch_workers(c, __file__, argv, mode="worker", procs_per_node=1,
                            devices_per_proc=1, log=log, what=f"{nodes}-node run")
     return {"nodes": nodes, "run": run, **got}

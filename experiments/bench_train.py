@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if not __package__:  # run as `python experiments/bench_train.py`: import from this checkout
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.bench_comm import _tc_sent_bytes, launch_workers  # noqa: E402
+from experiments.bench_comm import launch_workers  # noqa: E402
 from experiments.results_io import command_line, json_path, write_results  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 2
@@ -102,14 +102,14 @@ def jax_worker(args) -> None:
   times, sent, losses = [], 0, []
   for step in range(total):
     if step == args.warmup:
-      before = _tc_sent_bytes() if measure_link else 0
+      before = cluster.qdisc_sent_bytes() if measure_link else 0
     t0 = time.perf_counter()
     images, labels = data.train_batch(step, None)
     state, metrics = train_step(state, *shard_batch(mesh, images, labels))
     losses.append(float(jax.device_get(metrics["loss"])))  # waits for the step
     if step >= args.warmup:
       times.append(time.perf_counter() - t0)
-  sent = (_tc_sent_bytes() - before) / args.steps if measure_link else None
+  sent = (cluster.qdisc_sent_bytes() - before) / args.steps if measure_link else None
   if jax.process_index() == 0:
     row = {"system": "sparsejax", "algorithm": args.algorithm if args.algorithm == "dense"
            else f"{args.algorithm}-{DENSITY}", "params": params,
@@ -159,6 +159,7 @@ def torch_worker(args) -> None:
   import torch.distributed as dist
   from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
+  from sparsejax import cluster
   from sparsejax.data import small
 
   rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
@@ -187,7 +188,7 @@ def torch_worker(args) -> None:
   for step in range(total):
     if step == args.warmup:
       dist.barrier()
-      before = _tc_sent_bytes() if measure_link else 0
+      before = cluster.qdisc_sent_bytes() if measure_link else 0
     t0 = time.perf_counter()
     per_epoch = len(labels) // gb
     order = np.random.default_rng(step // per_epoch).permutation(len(labels))
@@ -200,7 +201,7 @@ def torch_worker(args) -> None:
     losses.append(loss.item())
     if step >= args.warmup:
       times.append(time.perf_counter() - t0)
-  sent = (_tc_sent_bytes() - before) / args.steps if measure_link else None
+  sent = (cluster.qdisc_sent_bytes() - before) / args.steps if measure_link else None
   if rank == 0:
     row = {"system": "pytorch-2.13", "algorithm": "ddp-allreduce" if args.algorithm == "ddp"
            else "ddp-powersgd-rank4", "params": params,

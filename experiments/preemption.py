@@ -42,8 +42,8 @@ ROOT = os.path.dirname(HERE)
 if not __package__:  # run as `python experiments/preemption.py`: import from this checkout
   sys.path.insert(0, ROOT)
 
-from experiments.bench_failover import TOKEN, TimedLog, _pids  # noqa: E402
 from experiments.results_io import command_line, footer, json_path, spread, write_results  # noqa: E402
+from sparsejax.bench import RUN_TOKEN, TimedLog, launched_pids  # noqa: E402
 
 DEFAULT_SETS = ["batch_size=240", "checkpoint_every_steps=24", "log_every_steps=6",
                 "eval_every_steps=12"]
@@ -94,7 +94,7 @@ def _watch(args, lose: bool, config, token: str, workdir: str, launcher, out: Ti
     if not seen["progress"] or step != seen["progress"][-1][0]:
       seen["progress"].append((step, now))
     if lose and seen["killed_at"] is None and step >= kill_step:
-      os.kill(_pids(token, args.nodes)[args.nodes - 1], signal.SIGKILL)
+      os.kill(launched_pids(token, args.nodes)[args.nodes - 1], signal.SIGKILL)
       seen["killed_at"], seen["kill_step"] = now, step
     resized = out.first("resized for")
     if resized and seen["resumed_at"] is None and now > resized[0]:
@@ -123,7 +123,7 @@ def one_run(args, lose: bool, total_steps: int, log) -> dict[str, Any]:
     t0 = time.monotonic()
     launcher = threading.Thread(target=lambda: result.update(rc=cluster.launch(
         argv, nodes=args.nodes, procs_per_node=1, bandwidth=args.rate, out=out,
-        min_nodes=args.nodes - 1, extra_env={TOKEN: token})))
+        min_nodes=args.nodes - 1, extra_env={RUN_TOKEN: token})))
     launcher.start()
     seen = _watch(args, lose, config, token, workdir, launcher, out, t0, kill_step)
     launcher.join()

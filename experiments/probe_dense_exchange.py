@@ -60,7 +60,7 @@ def pin():
   if how == "main-thread":
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % 2]})
     return
-  from experiments.time_to_accuracy import pin_to_core
+  from sparsejax.bench import pin_to_core
   pin_to_core(rank)
   if how == "gloo-idle":
     from sparsejax import cluster

@@ -51,7 +51,7 @@ import jax  # noqa: E402
 
 jax.devices()  # XLA starts here
 if after:  # every thread: XLA's executor threads too
-  from experiments.time_to_accuracy import pin_to_core  # noqa: E402
+  from sparsejax.bench import pin_to_core  # noqa: E402
   pin_to_core(rank)
 from experiments.jax_runner import JaxRun  # noqa: E402
 from experiments.tta_systems import load_task  # noqa: E402

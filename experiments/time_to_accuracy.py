@@ -87,22 +87,10 @@ from experiments.tta_systems import (  # noqa: E402
   parse_link_change,
   system_spec,
 )
+from sparsejax.bench import exclusive, pin_to_core, wait_all  # noqa: E402
 
 # the parity phase's steps: warm-up, then at least this many timed (each process)
 PARITY_WARMUP, PARITY_REPS = 3, 10
-
-
-def pin_to_core(index: int) -> None:
-  """Keeps this process on one core: every thread it has now and, by inheritance, those it
-  starts. (`os.sched_setaffinity(0, ...)` alone moves only the calling thread: a process pinned
-  that way after XLA started kept XLA's executor threads on every core.)"""
-  cores = sorted(os.sched_getaffinity(0))
-  core = {cores[index % len(cores)]}
-  for tid in os.listdir("/proc/self/task"):
-    try:
-      os.sched_setaffinity(int(tid), core)
-    except OSError:  # the thread has ended
-      pass
 
 
 def _barrier_jax(name: str) -> None:
@@ -294,22 +282,6 @@ def _file_barrier(directory: str, index: int, count: int, timeout_s: float = 600
 
 # ----------------------------------------------------------------------------- driver
 
-@contextlib.contextmanager
-def _exclusive(path: str | None):
-  """Holds an flock on `path` (if given) for one process run, so benchmarks that share a
-  machine and the lock never time at the same moment."""
-  if not path:
-    yield
-    return
-  import fcntl
-  with open(path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict]:
   argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
           *extra]
@@ -317,7 +289,7 @@ def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict
   task = load_task(args.config, args.sets, system)
   # a pipelined exchange on two devices per worker ("device") needs twice the devices
   local = task.mesh.local * (2 if task.overlap.pipeline == "device" else 1)
-  with _exclusive(args.lock):
+  with exclusive(args.lock):
     return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
                           devices_per_proc=local if runtime == "jax" else 1, log=log,
                           what=f"{mode} {system}", torch=runtime == "torch")
@@ -363,14 +335,14 @@ def run_parity(args, log) -> list[dict]:
   for r in range(args.parity_runs):
     row = {"round": r}
     for runtime in ("jax", "torch"):
-      with tempfile.TemporaryDirectory() as d, _exclusive(args.lock):
+      with tempfile.TemporaryDirectory() as d, exclusive(args.lock):
         procs = [subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
              "--config", args.config, "--sets", json.dumps(args.sets),
              "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
              "--parity-node", str(node), "--reps", str(args.reps)],
             env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(NODES)]
-        codes = _wait_all(procs, 1200)
+        codes = wait_all(procs, 1200)
         if any(codes):
           raise RuntimeError(f"parity round {r}: {runtime} processes exited {codes}")
         nodes = []
@@ -384,22 +356,6 @@ def run_parity(args, log) -> list[dict]:
           f"{row['torch']['step_s'] * 1e3:.1f} ms, ratio {row['jax_over_torch']:.2f}", flush=True)
     rounds.append(row)
   return rounds
-
-
-def _wait_all(procs: list, timeout_s: float) -> list[int]:
-  """The processes' exit codes once all have ended; where one fails, or `timeout_s` passes,
-  the others are killed at once (-9) rather than left waiting at the barrier for it."""
-  deadline = time.monotonic() + timeout_s
-  while True:
-    codes = [p.poll() for p in procs]
-    if all(c is not None for c in codes):
-      return codes
-    if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-      return [p.wait() for p in procs]
-    time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- main

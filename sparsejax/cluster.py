@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ENV", "initialize", "bind_gloo", "yield_gloo_threads", "parse_rate", "parse_nodes",
+__all__ = ["ENV", "initialize", "qdisc_sent_bytes", "bind_gloo", "yield_gloo_threads", "parse_rate", "parse_nodes",
            "EmulatedCluster", "set_link_rate", "link_sent_bytes", "launch"]
 
 # The launcher's environment for each process.
@@ -225,6 +225,17 @@ def link_sent_bytes(dev: str = "eth0") -> int:
     raise RuntimeError(f"ip link show {dev} failed: {out.stderr.strip()}")
   import json
   return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+def qdisc_sent_bytes(dev: str = "eth0") -> int:
+  """Bytes sent so far through the root qdisc of `dev` in this process's network namespace (the
+  tc shaper's own count; `link_sent_bytes` reads the device's)."""
+  out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", dev], capture_output=True,
+                       text=True, timeout=30).stdout
+  for line in out.splitlines():
+    if line.strip().startswith("Sent "):
+      return int(line.split()[1])
+  return 0
 
 
 def _reap(namespaces: Sequence[str]) -> None:

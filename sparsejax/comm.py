@@ -40,7 +40,7 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "sparse_hitopk", "sparse_gtopk", "sparse_higtopk", "sparse_collective",
            "topk_allgather",
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
-           "gtopk_sums", "gtopk_settle", "gather_pairs", "scatter_pairs",
+           "gtopk_sums", "merge_top", "gtopk_settle", "gather_pairs", "scatter_pairs",
            "settle", "settle_dense", "dense_form", "wire_bytes", "axis_size", "axis_names",
            "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
@@ -267,7 +267,7 @@ def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
 
 # ----------------------------------------------------------------------------- gTop-k
 
-def _merge_top(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], k: int,
+def merge_top(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], k: int,
                length: int) -> tuple[jax.Array, jax.Array]:
   """The k pairs of largest |value| among two sets of (value, index) pairs, a position in both
   taking the sum of its two values. Index `length` marks "no pair" (value 0). The result does
@@ -323,7 +323,7 @@ def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
   """gTop-k's global selection (Shi et al., ICDCS 2019): int32[k] positions, the same on every
   worker of `axes`, from each worker's k (value, index) pairs, by recursive doubling: in round r
   each worker swaps its current k pairs with the worker 2^r away and keeps the k largest sums
-  (`_merge_top`), log2(P) rounds of k pairs. With P not a power of two, the P - Q workers past
+  (`merge_top`), log2(P) rounds of k pairs. With P not a power of two, the P - Q workers past
   the largest power of two Q first hand their pairs to worker i - Q and get the result back.
   Index `length` marks a slot with no position (fewer than k distinct ones)."""
   p, k = axis_size(axes), values.shape[0]
@@ -336,11 +336,11 @@ def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
     got = (lax.ppermute(pairs, axes, fold) if packed is None
            else _unpack(lax.ppermute(packed, axes, fold)))
     mine = rank < p - q
-    pairs = _merge_top(pairs, (jnp.where(mine, got[0], 0), jnp.where(mine, got[1], length)),
+    pairs = merge_top(pairs, (jnp.where(mine, got[0], 0), jnp.where(mine, got[1], length)),
                        k, length)
   d = 1
   while d < q:
-    pairs = _merge_top(pairs, _swap(pairs, axes, d, q, p, rank), k, length)
+    pairs = merge_top(pairs, _swap(pairs, axes, d, q, p, rank), k, length)
     d <<= 1
   positions = pairs[1]
   if p > q:  # the extra workers get the result
@@ -353,7 +353,7 @@ def _candidates_at(values: jax.Array, indices: jax.Array, kept: jax.Array,
                    positions: jax.Array) -> jax.Array:
   """The candidates at `positions` (0 at "no pair"), where the candidates are `kept` with this
   worker's selected `values` put back at their (distinct) `indices`: O(k log k), without
-  writing the whole buffer; where k is a thirty-second of the buffer or more (as `_merge_top`),
+  writing the whole buffer; where k is a thirty-second of the buffer or more (as `merge_top`),
   the buffer written once instead of a comparison sort of k."""
   if 32 * indices.shape[0] >= kept.shape[0]:
     whole = kept.at[indices].set(values.astype(kept.dtype), unique_indices=True)

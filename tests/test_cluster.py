@@ -18,8 +18,8 @@ import uuid
 import numpy as np
 import pytest
 
-from experiments.bench_failover import _running
 from sparsejax import cli, cluster
+from sparsejax.bench import running
 from tests.conftest import need_root
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
@@ -235,7 +235,7 @@ def test_a_lost_process_stops_the_others_and_the_cluster_is_removed(procs_per_no
   pids = {rank: _launched_pid(rank, token) for rank in range(world)}
   t0 = time.monotonic()
   os.kill(pids[victim], how)
-  while any(_running(pid) for pid in pids.values()) and time.monotonic() - t0 < 30:
+  while any(running(pid) for pid in pids.values()) and time.monotonic() - t0 < 30:
     time.sleep(0.05)
   gone_s = time.monotonic() - t0
   worker.join(60)

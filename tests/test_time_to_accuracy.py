@@ -13,7 +13,7 @@ import pytest
 from experiments import time_to_accuracy as tta
 from experiments import tta_analysis, tta_systems
 from experiments.torch_peer import torch_mlp
-from sparsejax import cluster, models
+from sparsejax import bench, cluster, models
 from sparsejax.compress import density_levels
 from tests.conftest import need_root
 
@@ -101,12 +101,12 @@ def test_a_failed_parity_process_stops_its_sibling_at_once():
   fail = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
   wait = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   t0 = time.monotonic()
-  assert tta._wait_all([fail, wait], 120) == [3, -9]
+  assert bench.wait_all([fail, wait], 120) == [3, -9]
   assert time.monotonic() - t0 < 30
   ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
-  assert tta._wait_all(ok, 120) == [0, 0]
+  assert bench.wait_all(ok, 120) == [0, 0]
   slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  assert tta._wait_all([slow], 0.5) == [-9]
+  assert bench.wait_all([slow], 0.5) == [-9]
 
 
 def test_pin_to_core_moves_every_thread_of_the_process():
@@ -118,7 +118,7 @@ def test_pin_to_core_moves_every_thread_of_the_process():
     pytest.skip("needs 2 cores to tell a pinned thread from an unpinned one")
   script = (
       "import os, threading, time\n"
-      "from experiments.time_to_accuracy import pin_to_core\n"
+      "from sparsejax.bench import pin_to_core\n"
       "stop = threading.Event()\n"
       "early = threading.Thread(target=stop.wait); early.start()\n"
       "pin_to_core(1)\n"
