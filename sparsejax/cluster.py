@@ -33,8 +33,8 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
-__all__ = ["ENV", "initialize", "qdisc_sent_bytes", "bind_gloo", "yield_gloo_threads", "parse_rate", "parse_nodes",
-           "EmulatedCluster", "set_link_rate", "link_sent_bytes", "launch"]
+__all__ = ["ENV", "initialize", "bind_gloo", "yield_gloo_threads", "parse_rate", "parse_nodes",
+           "EmulatedCluster", "set_link_rate", "link_sent_bytes", "qdisc_sent_bytes", "launch"]
 
 # The launcher's environment for each process.
 ENV = {"coordinator": "SPARSEJAX_COORDINATOR", "num_processes": "SPARSEJAX_NUM_PROCESSES",
