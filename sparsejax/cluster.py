@@ -73,8 +73,8 @@ _GLOO_THREADS: set[int] = set()  # the threads gloo's TCP collectives started (b
 def yield_gloo_threads() -> int:
   """Puts the threads this process's gloo collectives started in SCHED_IDLE, as `bind_gloo`
   does where the process is on one core when XLA starts: for a process pinned after that
-  (`experiments/probe_dense_exchange.py --pin gloo-idle`; the study does not call it, whether it
-  helps a whole step there is open: docs/overlap.md). Returns how many threads (0 before the
+  (measured with the Transformer LM's dense step: docs/overlap.md; the study does not call it,
+  whether it helps a whole step there is open). Returns how many threads (0 before the
   CPU backend starts, or where `bind_gloo` did not build the collectives)."""
   _yield_threads(_GLOO_THREADS)
   return len(_GLOO_THREADS)

@@ -11,7 +11,7 @@ statistics and metrics) from one step to the next, and through a checkpoint.
 Two placements of the same arithmetic:
 - "program": both halves in one jitted program. On GPU, XLA's latency-hiding scheduler runs the
   exchange's collectives asynchronously beside the gradient's kernels. On XLA:CPU they run one
-  after the other (measured: ../shared/FACTS.md), so there it only checks the arithmetic.
+  after the other (measured: docs/overlap.md), so there it only checks the arithmetic.
 - "device": each worker is two devices of its process (one mesh per half, paired by position);
   the gradient runs on the compute mesh, the exchange and update on the state's mesh, as two
   programs dispatched back to back. XLA:CPU runs two devices' programs at once (a gloo
