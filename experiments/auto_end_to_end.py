@@ -88,14 +88,23 @@ def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
 
 def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """Each measured choice's predicted step for the form it ran next against that form's step as
-  the next choice observed it in the run: [{"form", "predicted_s", "observed_s"}]."""
-  out = []
-  for c, after in zip(choices, choices[1:]):
-    if (c.get("why") == "measured" and after.get("why") == "measured"
+  the next choice observed it in the run: [{"form", "predicted_s", "observed_s", "from"}];
+  "from": "observed" where the prediction rests on that form's own steps in the run (observed
+  at this choice or an earlier one, not timed again since), else "timed" (its step timed on a
+  copy of the state, with what the run added to the other form)."""
+  out, seen = [], set()
+  for c, after in zip(choices, [*choices[1:], None]):
+    how = c.get("how", "")
+    if how.startswith("observed"):
+      seen.add(c["measured"])
+    seen -= {f for f in ("dense", "sparse") if f"{f} timed again" in how}
+    if how.startswith("timed"):
+      seen.discard(c["measured"])
+    if (after is not None and c.get("why") == "measured" and after.get("why") == "measured"
         and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
       out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
                   "observed_s": after["measured_step_ms"] / 1e3,
-                  "from": "timed" if c.get("how", "").startswith("timed") else "observed"})
+                  "from": "observed" if c["form"] in seen else "timed"})
   return out
 
 

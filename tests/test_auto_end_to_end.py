@@ -143,3 +143,24 @@ def test_step_check_pairs_each_prediction_with_the_step_the_run_then_took():
   assert got["sparse, timed"]["ratios"] == pytest.approx([0.9])
   assert got["sparse, observed"]["ratios"] == pytest.approx([1.1])
   assert got["dense, observed"]["ratios"] == pytest.approx([1.2])
+
+
+def test_a_prediction_is_observed_only_where_its_own_form_ran_in_the_run():
+  """A form's prediction rests on the run's steps once that form was observed (at this choice
+  or an earlier one), and on a timing again once it is timed again (the link moved)."""
+  def choice(step, form, how, measured, dense, sparse):
+    return {"step": step, "form": form, "why": "measured", "how": how, "measured": measured,
+            "measured_step_ms": {"dense": dense, "sparse": sparse}[measured],
+            "dense_step_ms": dense, "sparse_step_ms": sparse}
+  choices = [choice(0, "sparse", "timed", "sparse", 25.0, 18.0),
+             choice(90, "dense", "observed over 42 steps", "sparse", 19.0, 20.0),
+             choice(100, "dense", "observed over 9 steps", "dense", 22.0, 20.0),
+             choice(110, "dense", "observed over 9 steps; sparse timed again (the link moved)",
+                    "dense", 23.0, 40.0),
+             choice(120, "sparse", "observed over 9 steps", "dense", 24.0, 10.0),
+             choice(130, "sparse", "observed over 9 steps", "sparse", 24.0, 12.0)]
+  got = [(p["form"], p["from"]) for p in e2e.predictions(choices)]
+  # 0: sparse timed; 90: dense from its timing (sparse observed); 100, 110: dense observed;
+  # 120: sparse, timed again at 110
+  assert got == [("sparse", "timed"), ("dense", "timed"), ("dense", "observed"),
+                 ("dense", "observed"), ("sparse", "timed")]
