@@ -480,8 +480,11 @@ def test_a_link_read_too_slow_for_a_step_is_raised_to_fit_it(algorithm):
   fitted = auto.fit_in_steps(m.link, steps, exchange)
   assert fitted.fixed_s == m.link.fixed_s and fitted.bytes_per_s > 50 * m.link.bytes_per_s
   assert exchange(fitted)["dense"] == pytest.approx(0.0015, rel=1e-6)
-  # the fit leaves alone a link the steps allow, and goes to inf where only the fixed costs fit
+  # the fit leaves alone a link the steps allow, and one a step cannot speak for: a step
+  # shorter than the part of the exchange no bandwidth changes (a misread selection probe)
   assert auto.fit_in_steps(fitted, steps, exchange) == fitted
   assert auto.fit_in_steps(m.link, {"dense": 2 * slow["dense"]}, exchange) == m.link
-  fixed = exchange(m.link._replace(bytes_per_s=math.inf))["dense"]
-  assert math.isinf(auto.fit_in_steps(m.link, {"dense": 0.5 * fixed}, exchange).bytes_per_s)
+  floor = exchange(m.link._replace(bytes_per_s=math.inf))
+  assert auto.fit_in_steps(m.link, {"sparse": 0.5 * floor["sparse"]}, exchange) == m.link
+  both = {"dense": 0.0015, "sparse": 0.5 * floor["sparse"]}  # the dense step still speaks
+  assert auto.fit_in_steps(m.link, both, exchange) == fitted
