@@ -164,3 +164,12 @@ def test_a_prediction_is_observed_only_where_its_own_form_ran_in_the_run():
   # 120: sparse, timed again at 110
   assert got == [("sparse", "timed"), ("dense", "timed"), ("dense", "observed"),
                  ("dense", "observed"), ("sparse", "timed")]
+
+
+def test_the_paired_ratio_takes_each_seed_against_its_own_fastest_fixed_system():
+  runs = [{"seed": 0, "time_s": 5.0}, {"seed": 1, "time_s": 6.0}, {"seed": 2, "time_s": None}]
+  trained = {"dense": [{"seed": 0, "time_s": 5.5}, {"seed": 1, "time_s": 7.5},
+                       {"seed": 2, "time_s": 6.0}],
+             "hitopk": [{"seed": 0, "time_s": 4.0}, {"seed": 1, "time_s": 6.6},
+                        {"seed": 2, "time_s": 5.0}]}
+  assert e2e.paired(runs, trained) == pytest.approx([5.0 / 4.0, 6.0 / 6.6])
