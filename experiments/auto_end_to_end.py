@@ -156,7 +156,8 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   ddp_exposed = [s - torch_compute for s in ddp_steps]
   over_ddp = ddp / med if med else None
   need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
-  return {"bandwidth": bandwidth, "auto_over_best_by_seed": paired(runs, trained or {}), "R": r, "parity": parity, "auto_time_s": mine,
+  return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
+          "auto_over_best_by_seed": paired(runs, trained or {}),
           "steps_checked": step_check(runs),
           "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
           "fixed_time_s": times, "fixed_trained": sorted(measured), "best_fixed": best,
