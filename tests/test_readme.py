@@ -1,9 +1,12 @@
 """The examples of the README and of docs/ run as written."""
 
+import json
 import pathlib
 import re
+import shlex
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,3 +66,54 @@ def test_docs_links_point_at_files_that_exist():
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
       if not target.startswith("http"):
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def _bash_lines(page: str) -> list[str]:
+  """The commands of the ```bash blocks in `page` (comments dropped)."""
+  blocks = re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S)
+  return [line.split("#")[0].strip() for b in blocks for line in b.splitlines()
+          if line.split("#")[0].strip()]
+
+
+def test_readme_front_page_is_short_and_installs_early():
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) < 150
+  assert any(line == "## Install" for line in lines[:40])
+  text = "\n".join(lines)
+  assert text.index("**R**") < text.index(" R ")  # R is defined where it is first used
+
+
+def _pyproject_table(name: str) -> str:
+  """The lines of one table of pyproject.toml (no TOML parser on Python 3.10)."""
+  text = (ROOT / "pyproject.toml").read_text()
+  return text.split(f"[{name}]\n", 1)[1].split("\n[", 1)[0]
+
+
+def test_readme_install_commands_name_extras_that_exist():
+  extras = re.findall(r"^([\w-]+) = \[", _pyproject_table("project.optional-dependencies"), re.M)
+  installs = [line for line in _bash_lines("README.md") if line.startswith("pip install")]
+  assert installs
+  for line in installs:
+    named = re.search(r'"\.\[([^]]+)\]"', line).group(1).split(",")
+    assert set(named) <= set(extras), (line, sorted(extras))
+
+
+def test_readme_test_command_is_this_suites():
+  assert "python -m pytest -q" in _bash_lines("README.md")
+  markers = re.findall(r'^  "(\w+):', _pyproject_table("tool.pytest.ini_options"), re.M)
+  named = re.findall(r"pytest[^`\n]*?-m (\w+)", (ROOT / "README.md").read_text())
+  assert named and set(named) <= set(markers), (named, markers)
+
+
+@pytest.mark.integration
+def test_readme_quickstart_runs_as_written(tmp_path, monkeypatch):
+  """The quickstart command, as the README gives it, run from the repository's root (its
+  workdir moved into a temporary folder): it trains to the accuracy the README states."""
+  from sparsejax import cli
+  line, = [line for line in _bash_lines("README.md") if line.startswith("sparsejax train")]
+  argv = shlex.split(line)[1:]
+  argv[argv.index("--workdir") + 1] = str(tmp_path / "quickstart")
+  monkeypatch.chdir(ROOT)
+  assert cli.main(argv + ["--no-progress"]) == 0
+  summary = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
+  assert summary["final_eval"]["accuracy"] >= 0.95, summary["final_eval"]
