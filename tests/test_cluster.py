@@ -253,9 +253,10 @@ def test_a_lost_process_stops_the_others_and_the_cluster_is_removed(procs_per_no
   assert _namespaces_left(text) == []
 
 
-def _launched_pid(rank: int, token: str | None = None) -> int:
-  """The pid of this test's launched process of `rank` (its environment names the rank, and
-  `token` where given; else its command is the sparsejax CLI)."""
+def _launched_pid(rank: int, token: str) -> int:
+  """The pid of this test's launched process of `rank` (its environment names the rank and
+  `token`, which the test passed to `launch`: in CI's two workers another test's processes run
+  beside it, and a lookup by command alone once killed another test's rank)."""
   me = os.getpid()
   for pid in os.listdir("/proc"):
     if not pid.isdigit():
@@ -263,12 +264,9 @@ def _launched_pid(rank: int, token: str | None = None) -> int:
     try:
       with open(f"/proc/{pid}/environ", "rb") as f:
         env = f.read().split(b"\0")
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmd = f.read()
     except OSError:
       continue
-    mine = (f"{TOKEN}={token}".encode() in env if token else
-            b"sparsejax.cli" in cmd and b"python" in cmd)
+    mine = f"{TOKEN}={token}".encode() in env
     if f"{cluster.ENV['process_id']}={rank}".encode() in env and mine and int(pid) != me:
       return int(pid)
   raise AssertionError(f"no launched process of rank {rank}")
@@ -405,17 +403,18 @@ def test_killed_run_resumes_from_its_last_checkpoint_in_an_emulated_cluster(tmp_
                         nodes=2, procs_per_node=1, devices_per_proc=4, bandwidth="1gbit",
                         out=out) == 0, out.getvalue()[-3000:]
   out = io.StringIO()
-  result = {}
+  result, token = {}, uuid.uuid4().hex  # (the victim is this run's: another test's CLI runs too)
   worker = threading.Thread(target=lambda: result.update(rc=cluster.launch(
       ["train", QUICKSTART, "--workdir", str(tmp_path / "killed"), *overrides], nodes=2,
-      procs_per_node=1, devices_per_proc=4, bandwidth="1gbit", grace_s=10, out=out)))
+      procs_per_node=1, devices_per_proc=4, bandwidth="1gbit", grace_s=10, out=out,
+      extra_env={TOKEN: token})))
   worker.start()
   ckpt = tmp_path / "killed" / "checkpoints" / "10"
   deadline = time.monotonic() + 300
   while not ckpt.exists() and time.monotonic() < deadline:
     time.sleep(0.2)
   time.sleep(1.0)
-  os.kill(_launched_pid(rank=1), signal.SIGKILL)
+  os.kill(_launched_pid(rank=1, token=token), signal.SIGKILL)
   worker.join(120)
   assert result["rc"] != 0 and "lost rank 1" in out.getvalue()
   killed_run, out = out.getvalue(), io.StringIO()
