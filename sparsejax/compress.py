@@ -35,6 +35,7 @@ from sparsejax.feedback import (
   Correction,
   Feedback,
   MomentumCorrection,
+  feedback_dense,
   feedback_select,
   init_feedback,
   legacy_correction,
@@ -207,14 +208,8 @@ def _balance_weights(part: jax.Array, feedback: Feedback, layout: FlatLayout, pa
   return tensor_weights(part + feedback.residual, seg, count)
 
 
-def _everything(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """The dense form's selector: every value of `x`, in order."""
-  del k
-  return x, jnp.arange(x.shape[0], dtype=jnp.int32)
-
-
 def _unmasked(correction: Correction | None) -> Correction | None:
-  """`correction` with its velocity left unmasked (where nothing, or everything, is sent)."""
+  """`correction` with its velocity left unmasked (where a reduction, not a selection, sends)."""
   if isinstance(correction, MomentumCorrection):
     return correction._replace(masking=False)
   return correction
@@ -222,17 +217,15 @@ def _unmasked(correction: Correction | None) -> Correction | None:
 
 def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Feedback | None,
                correction: Correction | None, extra: dict) -> tuple[jax.Array, Feedback | None]:
-  """The dense form of a sparse exchange: every candidate (the gradient plus the residual, with
-  the correction's velocity or Adam direction) summed by an all-reduce; the residual emptied,
-  the velocity and Adam moments run on (nothing is masked: a dense step with momentum
-  correction is momentum SGD's step). `extra`: the correction's arguments, without balance
-  weights (everything is sent). `(total (n,), feedback)`."""
+  """The dense form of a sparse exchange: every candidate (`feedback_dense`: the gradient plus
+  the residual, with the correction's velocity or Adam direction) summed by an all-reduce; the
+  residual emptied, the velocity and Adam moments run on (nothing is masked: a dense step with
+  momentum correction is momentum SGD's step). `extra`: the correction's arguments, without
+  balance weights (everything is sent). `(total (n,), feedback)`."""
   if feedback is None:
     return comm.settle_dense(collective, part), None
-  values, _, kept = feedback_select(part, feedback, part.shape[0], _everything,
-                                    correction=_unmasked(correction), **extra)
-  return comm.settle_dense(collective, values), kept._replace(
-      residual=jnp.zeros_like(feedback.residual))
+  values, kept = feedback_dense(part, feedback, correction=correction, **extra)
+  return comm.settle_dense(collective, values), kept
 
 
 def _bytes_sent(algorithm: str, n: int, part_len: int, levels: tuple[float, ...], nodes: int,

@@ -26,7 +26,7 @@ from sparsejax import topk as topk_lib
 
 __all__ = ["Feedback", "MomentumCorrection", "AdamCorrection", "Correction", "legacy_correction",
            "adam_direction", "tensor_weights", "init_feedback",
-           "check_feedback", "feedback_select"]
+           "check_feedback", "feedback_select", "feedback_dense"]
 
 Selector = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | str
 
@@ -184,6 +184,28 @@ def _adam(x: jax.Array, feedback: Feedback, k: int, select: Selector, correction
   values, indices, residual = topk_lib.select_feedback(select, scale * direction,
                                                        feedback.residual, k)
   return values, indices, Feedback(residual, m, v)  # the moments run on (no masking)
+
+
+def feedback_dense(x: jax.Array, feedback: Feedback, *, correction: Correction | None = None,
+                   count: jax.Array | None = None, scale: float = 1.0
+                   ) -> tuple[jax.Array, Feedback]:
+  """Every candidate of `feedback_select` (the same `correction`, `count`, `scale`), for a step
+  that sends them all: `(candidates, Feedback)` with the residual emptied and the velocity or
+  Adam moments run on, unmasked. No selection and no scatter: the dense form of a sparse
+  exchange costs what a dense exchange costs."""
+  x = x.astype(feedback.residual.dtype)
+  empty = jnp.zeros_like(feedback.residual)
+  if isinstance(correction, AdamCorrection):
+    direction, m, v = adam_direction(x / scale, feedback, correction, count)
+    return scale * direction + feedback.residual, Feedback(empty, m, v)
+  if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
+    velocity = correction.momentum * feedback.velocity + x
+    term = x + correction.momentum * velocity if correction.nesterov else velocity
+    return term + feedback.residual, Feedback(empty, velocity)
+  if correction is not None and not isinstance(correction, MomentumCorrection):
+    raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "
+                     f"AdamCorrection or None, got {correction!r}")
+  return x + feedback.residual, Feedback(empty)
 
 
 def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,

@@ -354,6 +354,8 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   assert result.get("rc") == 0, out.getvalue()[-3000:]
   choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
+  # dense's exchange alone is many sparse steps: timed once, not PROBE_REPS times
+  assert choices[0]["how"] == "timed; dense once (far off)", choices[0]
   assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
   assert "dense" in [c["form"] for c in choices[1:]], (  # ... and auto switched to dense
       "\n".join(line for line in out.getvalue().splitlines() if "auto:" in line))

@@ -15,7 +15,7 @@ from sparsejax.compress import (
   level_index,
   topk_allreduce,
 )
-from sparsejax.feedback import AdamCorrection, MomentumCorrection
+from sparsejax.feedback import AdamCorrection, Feedback, MomentumCorrection, feedback_dense
 from sparsejax.finite import apply_if_finite_across
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -314,6 +314,39 @@ def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
     velocity = m * velocity + leaves(g).sum(0)
     np.testing.assert_allclose(leaves(out)[0] * p, velocity, rtol=1e-4, atol=1e-4)
   assert np.count_nonzero(leaves(outs[3])[0]) < velocity.size // 2
+
+
+@pytest.mark.parametrize("correction", [None, MomentumCorrection(0.9),
+                                        MomentumCorrection(0.8, nesterov=True, masking=True),
+                                        AdamCorrection(0.9, 0.98, 1e-8)])
+def test_feedback_dense_sends_every_candidate_and_empties_the_residual(rng, correction):
+  """The dense form's candidates against numpy: x + residual, the (Nesterov) velocity plus the
+  residual, or the Adam direction of the mean plus the residual; the velocity and moments run
+  on unmasked, the residual is emptied."""
+  n, scale, count = 1237, 3.0, 4
+  x, r, u, w = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
+  w = np.abs(w)
+  feedback = Feedback(jnp.asarray(r), *((jnp.asarray(u),) if isinstance(
+      correction, MomentumCorrection) else (jnp.asarray(u), jnp.asarray(w)) if correction
+      else ()))
+  values, kept = feedback_dense(jnp.asarray(x), feedback, correction=correction,
+                                count=jnp.int32(count), scale=scale)
+  if correction is None:
+    want, moments = x + r, ()
+  elif isinstance(correction, MomentumCorrection):
+    v = correction.momentum * u + x
+    want = (x + correction.momentum * v if correction.nesterov else v) + r
+    moments = (v,)
+  else:
+    g = x / scale
+    m = correction.b1 * u + (1 - correction.b1) * g
+    v = correction.b2 * w + (1 - correction.b2) * g * g
+    m_hat, v_hat = m / (1 - correction.b1 ** (count + 1)), v / (1 - correction.b2 ** (count + 1))
+    want, moments = scale * m_hat / (np.sqrt(v_hat) + correction.eps) + r, (m, v)
+  np.testing.assert_allclose(values, want, rtol=2e-5, atol=2e-6)
+  assert not np.any(kept.residual)
+  for got, ref in zip([kept.velocity, kept.second][:len(moments)], moments, strict=True):
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
 
 
 def test_dense_level_needs_a_sparse_algorithm_and_a_level_in_range(rng):

@@ -392,6 +392,8 @@ class AutoExchange:
   MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
   TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
   TRIAL_WITHIN = 2.0  # close: its predicted time to the target within this factor of the choice's
+  FAR_OFF = 4.0  # a form whose modelled exchange alone is this many times the other's step is
+  # timed once, not PROBE_REPS times
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
                dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
@@ -501,10 +503,11 @@ class AutoExchange:
     (the model's exchange is the final density's)."""
     return self.dense_level if form == "dense" else self.sparse_level(self.total_steps - 1)
 
-  def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array]) -> float:
-    """The fewest seconds of the compiled train step at `level` on a copy of `state` (each call
-    takes the last one's output: the step donates its input), after one untimed call where
-    this level has not run here yet (`compile`)."""
+  def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array],
+                 reps: int = PROBE_REPS) -> float:
+    """The fewest seconds of the compiled train step at `level` on a copy of `state` over `reps`
+    calls (each takes the last one's output: the step donates its input), after one untimed
+    call where this level has not run here yet (`compile`)."""
     fn = self.compiled(level)
     copy = jax.tree.map(jnp.copy, state)
     if level not in self._warm:
@@ -512,7 +515,7 @@ class AutoExchange:
       jax.block_until_ready(copy)
       self._warm.add(level)
     times = []
-    for _ in range(PROBE_REPS):
+    for _ in range(reps):
       t0 = time.perf_counter()
       copy, _ = fn(copy, *batch)
       jax.block_until_ready(copy)
@@ -596,11 +599,17 @@ class AutoExchange:
     link = self._fit(link, steps)
     # the first measurement: the other form's step too (a rule skipping it where the link
     # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
+    # (once where its exchange alone is FAR_OFF times this step: not a close call, and at 500
+    # Mbit/s three dense steps of the MNIST MLP cost more than 20 sparse ones)
+    far = False
     if other not in self._rest or self._stale(other, link):
-      steps[other] = self._time_step(self._level_of(other, step), state, batch)
+      far = self._exchange(link)[other] >= self.FAR_OFF * step_s
+      steps[other] = self._time_step(self._level_of(other, step), state, batch,
+                                     reps=1 if far else PROBE_REPS)
     values = _slowest([*steps.values(), probe_s])
     steps, self.probe_s = dict(zip(steps, values)), values[-1]
-    return form, steps, "timed", self._fit(link, steps)
+    how = f"timed; {other} once (far off)" if len(steps) > 1 and far else "timed"
+    return form, steps, how, self._fit(link, steps)
 
   def measure(self, step: int, state: Any, batch: Sequence[jax.Array]) -> Measurement:
     """The link, the gradient and, once, the selection probes; the whole step of the form in
