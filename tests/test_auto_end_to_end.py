@@ -1,4 +1,4 @@
-"""experiments/auto_end_to_end.py: auto's measured runs judged against a reference study, on
+"""studies/auto/end_to_end.py: auto's measured runs judged against a reference study, on
 hand-made results whose verdicts are worked out by hand (the launches themselves are the study's,
 tested in tests/test_time_to_accuracy.py)."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import auto_end_to_end as e2e
+from studies.auto import end_to_end as e2e
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_from_results_rejudges_against_a_moved_reference(tmp_path, capsys):
   stored = tmp_path / "e2e_in.json"
   stored.write_text(json.dumps({"runs": runs, "meta": {
       "system": "auto-0.05", "seeds": 3, "machine": "x", "cpus": 2, "date": "d",
-      "command": "python experiments/auto_end_to_end.py"}}))
+      "command": "python studies/auto/end_to_end.py"}}))
   out = tmp_path / "e2e.json"
   assert e2e.main(["--config", "c", "--system", "auto-0.05", "--reference", str(ref),
                    "--bandwidths", "unlimited,100mbit", "--out", str(out),

@@ -1,5 +1,5 @@
-"""experiments/bench_scale.py (the exchange against the node count, on the emulated cluster) and
-experiments/node_scaling.py (the cost model fitted to it, checked on held-out node counts and
+"""benchmarks/scale.py (the exchange against the node count, on the emulated cluster) and
+studies/node_scaling/run.py (the cost model fitted to it, checked on held-out node counts and
 projected): a --quick run end to end, and the committed results analysed again."""
 
 import json
@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from experiments import bench_scale, node_scaling
+from benchmarks import scale as bench_scale
 from sparsejax import comm
+from studies.node_scaling import run as node_scaling
 from tests.conftest import need_root
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
@@ -47,7 +48,7 @@ def test_quick_run_measures_every_algorithm_on_2_and_3_nodes(quick):
   rec = got["runs"][1]["records"][0]
   assert np.asarray(rec["per_node"]).shape == (3, got["meta"]["reps"])
   md = out.with_suffix(".md").read_text()
-  assert "| 3 | gtopk |" in md and "Command: `python experiments/bench_scale.py --quick" in md
+  assert "| 3 | gtopk |" in md and "Command: `python benchmarks/scale.py --quick" in md
 
 
 def test_the_model_fits_and_projects_from_a_quick_run(quick, tmp_path):
@@ -64,10 +65,10 @@ def test_the_committed_results_analyse_again(tmp_path):
   """bench_scale's committed JSON gives the committed table again, and the node-scaling model
   fitted to it meets the issue's figures: held-out node counts within 20%, gTop-k's exchange
   at least 1.7x TopK all-gather's at 16 nodes (every run), its bytes growing with log P."""
-  committed = os.path.join(ROOT, "experiments", "results", "bench_scale.json")
+  committed = os.path.join(ROOT, "benchmarks", "results", "bench_scale.json")
   out = tmp_path / "bench_scale.json"
   assert bench_scale.main(["--from-results", committed, "--out", str(out)]) == 0
-  with open(os.path.join(ROOT, "experiments", "results", "bench_scale.md")) as f:
+  with open(os.path.join(ROOT, "benchmarks", "results", "bench_scale.md")) as f:
     assert out.with_suffix(".md").read_text() == f.read()
   got = json.loads(out.read_text())
   assert min(bench_scale.speedups(got["analysis"])[16]) >= 1.7

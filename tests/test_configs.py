@@ -34,7 +34,7 @@ def test_transformer_wmt_builds_the_base_model():
   tokens = np.zeros((1, config.data.seq_len), np.int32)
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), (tokens, tokens), train=False))
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
-  # experiments/param_trees.py's Transformer-base (60,524,544) has final LayerNorms after the
+  # benchmarks/param_trees.py's Transformer-base (60,524,544) has final LayerNorms after the
   # encoder and decoder (2 x 1,024); post-LN, as here and in Vaswani et al., has none
   assert params == 60_524_544 - 2 * 1024
 

@@ -1,10 +1,10 @@
-"""experiments/convergence.py --quick: the experiment's code path on real data, in CI."""
+"""studies/convergence/run.py --quick: the experiment's code path on real data, in CI."""
 
 import json
 
 import pytest
 
-from experiments import convergence
+from studies.convergence import run as convergence
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
 pytestmark = pytest.mark.integration

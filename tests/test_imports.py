@@ -1,5 +1,5 @@
 """Imports: no cycles in the package (function-local imports included, read with ast), lazy
-subpackages, experiments importable as a package and runnable as scripts."""
+subpackages, the studies and benchmarks importable as packages and runnable as scripts."""
 
 from __future__ import annotations
 
@@ -166,7 +166,10 @@ print("ok")
   assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-def test_an_experiment_runs_as_a_script_from_anywhere(tmp_path):
-  """`python experiments/x.py` still works (tests import the same file as `experiments.x`)."""
-  res = _run([os.path.join(ROOT, "experiments", "scaling_model.py"), "--help"], str(tmp_path))
-  assert res.returncode == 0 and "usage: scaling_model.py" in res.stdout, res.stderr
+@pytest.mark.parametrize("script", [("studies", "scaling_model", "run.py"),
+                                    ("benchmarks", "merge.py")])
+def test_a_study_or_benchmark_runs_as_a_script_from_anywhere(tmp_path, script):
+  """`python studies/<study>/run.py` and `python benchmarks/<x>.py` work from any folder (tests
+  import the same files as `studies.<study>.run` and `benchmarks.<x>`)."""
+  res = _run([os.path.join(ROOT, *script), "--help"], str(tmp_path))
+  assert res.returncode == 0 and f"usage: {script[-1]}" in res.stdout, res.stderr

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from experiments import results_io
+from sparsejax import bench as results_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A path is absolute-and-machine-specific when it starts at "/" with a first folder that is not
@@ -44,7 +44,7 @@ def test_the_pattern_finds_machine_paths_and_leaves_the_rest():
   assert [p.split("/")[1] for p in found] == ["work", "home", "tmp", "Users", "scratch"]
   assert machine_paths("/usr/share/datasets/fashion-mnist /dev/shm/x #!/usr/bin/env bash "
                        "https://github.com/google/jax/blob/main/x.py runs/quickstart a/b/c "
-                       "1/sqrt(n) MB/s $OUT/topk.json experiments/results/x.json") == []
+                       "1/sqrt(n) MB/s $OUT/topk.json studies/auto/results/x.json") == []
 
 
 def test_no_committed_file_names_an_absolute_machine_path():
@@ -67,19 +67,20 @@ def test_commands_in_results_are_portable():
   argv = ["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--lock",
           "/var/lock/bench.lock", f"--out={os.path.join(ROOT, 'runs', 'x.json')}", "--seeds", "3",
           "/srv/elsewhere/data"]
-  got = results_io.command_line(os.path.join(ROOT, "experiments", "bench_topk.py"), argv)
-  assert got == ("python experiments/bench_topk.py --config configs/quickstart.py --lock $LOCK "
+  got = results_io.command_line(os.path.join(ROOT, "benchmarks", "topk.py"), argv)
+  assert got == ("python benchmarks/topk.py --config configs/quickstart.py --lock $LOCK "
                  "--out=runs/x.json --seeds 3 $PATH")
   assert results_io.portable_path(os.path.join(ROOT, "configs", "x.py")) == "configs/x.py"
   assert results_io.resolve("configs/x.py") == os.path.join(ROOT, "configs", "x.py")
   assert results_io.resolve("/abs/x.py") == "/abs/x.py"
 
 
-@pytest.mark.parametrize("name", ["time_to_accuracy.json", "scaling_model.json"])
+@pytest.mark.parametrize("name", ["time_to_accuracy/results/time_to_accuracy.json",
+                                  "scaling_model/results/scaling_model.json"])
 def test_committed_results_name_files_of_the_checkout(name):
   """The time-to-accuracy study's config and the scaling model's source are relative paths that
   resolve to files of this checkout."""
-  with open(os.path.join(ROOT, "experiments", "results", name)) as f:
+  with open(os.path.join(ROOT, "studies", name)) as f:
     got = json.load(f)
   path = got["meta"]["config"] if "meta" in got else got["comm_source"]
   assert not os.path.isabs(path)

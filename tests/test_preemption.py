@@ -1,4 +1,4 @@
-"""experiments/preemption.py --quick: an elastic run on 3 emulated nodes loses one a third of the
+"""studies/preemption/run.py --quick: an elastic run on 3 emulated nodes loses one a third of the
 way through, goes on with 2 (the checkpoint of 3 workers resized for 2) and ends like the run
 that lost nothing."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import preemption
+from studies.preemption import run as preemption
 from tests.conftest import need_root
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`

@@ -1,4 +1,4 @@
-"""experiments/scaling_model.py: its byte model against the library's own accounting, and a run
+"""studies/scaling_model/run.py: its byte model against the library's own accounting, and a run
 on the committed benchmark results."""
 
 import json
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from experiments import scaling_model as sm
 from sparsejax import comm
+from studies.scaling_model import run as sm
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
 pytestmark = pytest.mark.integration
@@ -55,7 +55,7 @@ def test_runs_on_the_committed_results(tmp_path):
 def test_missing_inputs_are_named(tmp_path, capsys):
   with pytest.raises(SystemExit):
     sm.main(["--comm", str(tmp_path / "none.json")])
-  assert "bench_comm.py" in capsys.readouterr().err
+  assert "benchmarks/exchange.py" in capsys.readouterr().err
 
 
 def test_time_to_accuracy_section_fits_the_link_bound_runs(tmp_path):

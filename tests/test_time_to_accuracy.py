@@ -1,4 +1,4 @@
-"""experiments/time_to_accuracy.py: the study's code paths (in CI: --quick, on the emulated
+"""studies/time_to_accuracy/run.py: the study's code paths (in CI: --quick, on the emulated
 cluster), its bookkeeping against hand-computed values, and the PyTorch peer's model against the
 flax MLP."""
 
@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import time_to_accuracy as tta
-from experiments import tta_analysis, tta_systems
-from experiments.torch_peer import torch_mlp
 from sparsejax import bench, cluster, models
 from sparsejax.compress import density_levels
+from studies.time_to_accuracy import analysis as tta_analysis
+from studies.time_to_accuracy import run as tta
+from studies.time_to_accuracy import systems as tta_systems
+from studies.time_to_accuracy.torch_peer import torch_mlp
 from tests.conftest import need_root
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
@@ -74,7 +75,7 @@ def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
   assert max(by_level) > 0.01 and by_level[max(by_level)] > 3 * by_level[0.01]
   assert set(jax_systems) <= set(got["analysis"])
   md = out.with_suffix(".md").read_text()
-  assert "| dense |" in md and "Command: `python experiments/time_to_accuracy.py --quick" in md
+  assert "| dense |" in md and "Command: `python studies/time_to_accuracy/run.py --quick" in md
 
 
 def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):

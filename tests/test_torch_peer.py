@@ -1,6 +1,6 @@
-"""experiments/torch_peer.py: the PyTorch Transformer LM is sparsejax's (same parameters give the
-same logits and gradients; the same initialisation), and its AdamW is optax's with the trainer's
-decay mask."""
+"""studies/time_to_accuracy/torch_peer.py: the PyTorch Transformer LM is sparsejax's (same
+parameters give the same logits and gradients; the same initialisation), and its AdamW is optax's
+with the trainer's decay mask."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from experiments import torch_peer
 from sparsejax import models
 from sparsejax.train.optimizer import decay_mask
+from studies.time_to_accuracy import torch_peer
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
 pytestmark = pytest.mark.integration

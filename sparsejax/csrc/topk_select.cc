@@ -392,7 +392,7 @@ void SelectTopK(ffi::ThreadPool& pool, int64_t n, int64_t k, Sample sample, Firs
 // fresh buffer of n values to every call; its first touch then costs a page fault per 4 KB (more
 // than the zeroing itself) or, with this, one per 2 MB. Only where THP is in "madvise" mode does
 // it change anything; errors are ignored (it is a hint). Measured there (a probe removed once
-// answered: experiments/bench_hugepages.py at commit 59ec3fc, 100 MiB output, 3 processes):
+// answered: experiments/bench_hugepages.py at commit 59ec3fc (git show 59ec3fc:experiments/bench_hugepages.py), 100 MiB output, 3 processes):
 // the scatter-add takes 0.29-0.31x the time without it.
 void HugePages(void* p, size_t bytes) {
   constexpr uintptr_t kHuge = uintptr_t{1} << 21;

@@ -685,6 +685,7 @@ class AutoExchange:
       self._window = None
       entry.update(form=form, why="schedule")
     else:
+      t0 = time.perf_counter()
       m = self.measure(step, state, batch)
       a = self.options
       step_s = predict(m, algorithm=a.sparse, n=self.n, density=c.density,
@@ -701,7 +702,8 @@ class AutoExchange:
                    remaining_steps=remaining, step_factor=factor,
                    factor_from=("auto.step_factor" if a.step_factor else
                                 "lag" if factor > a.min_step_factor else "auto.min_step_factor"),
-                   probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]))
+                   probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]),
+                   measure_ms=1e3 * (time.perf_counter() - t0))
       if trial:  # measured again once the trial's steps have run
         entry.update(trial=trial, next_step=step + 1 + self.TRIAL_STEPS)
     self.history.append(entry)
@@ -736,6 +738,6 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
       f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; "
       + (f"close: runs {entry['trial']} for {AutoExchange.TRIAL_STEPS} steps to measure it; "
          if entry.get("trial") else f"chose {entry['form']}; ")
-      + f"probes {entry['probe_ms']:.0f} ms, "
+      + f"probes {entry['probe_ms']:.0f} ms ({entry['measure_ms']:.0f} ms in all), "
       + ("no more measurements unless scheduled" if entry["next_step"] is None
          else f"next due at step {entry['next_step']}"))

@@ -1,0 +1,306 @@
+"""Algorithm "auto" trained end to end at each link speed, against the fixed systems.
+
+For each bandwidth, `--seeds` process runs of an auto system (`--system`, a name of the
+time-to-accuracy study's SYSTEMS) train on the study's emulated cluster with the link at that
+bandwidth from the first step to the target (the study's runs phase with `--headline` set to the
+bandwidth and `--stop-at-target`): auto measures the link itself and chooses its forms; its
+train time to target is measured, probes included. They are set against a reference study of
+the same task (`--reference`, a time_to_accuracy.py result with the parity phase, the fixed
+systems trained and swept at every bandwidth here): each fixed system's time to target there
+(steps to target x its step time measured at that bandwidth), PyTorch DDP's, the dense exchange /
+compute ratio R, and the compute parity (JAX step / PyTorch step, compute only).
+
+Judged per bandwidth (the issue's must-shows): auto within 1.1x of the best fixed sparsejax
+system; against DDP no later where R >= 1, at least 1.5x sooner where R >= 2, and where R < 1
+no later than DDP's time x the parity; auto's exposed exchange per step (its mean step to the
+target minus the JAX compute-only step) no more than DDP's (its swept step minus PyTorch's).
+
+  python studies/auto/end_to_end.py --config configs/tta_pydocs_lm.py --system auto-0.05 \\
+    --fixed dense,hitopk-0.05 \\
+    --reference studies/time_to_accuracy/results/time_to_accuracy_pydocs.json \\
+    --bandwidths unlimited,50mbit --seeds 3 --out studies/auto/results/auto_end_to_end_pydocs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from sparsejax.bench import (  # noqa: E402
+  command_line,
+  footer,
+  json_path,
+  portable_path,
+  resolve,
+  spread,
+  write_results,
+)
+from studies.time_to_accuracy import analysis as tta_analysis  # noqa: E402
+from studies.time_to_accuracy import systems as tta_systems  # noqa: E402
+
+STUDY = os.path.join(ROOT, "studies", "time_to_accuracy", "run.py")
+
+
+def train_at(config: str, systems: list[str], bandwidth: str, seeds: int, sets: list[str],
+             log) -> dict[str, Any]:
+  """The study's runs phase for `systems` (seed by seed, the systems in turn), the link at
+  `bandwidth` throughout, each run stopped at the target: its results (train rows with curves
+  and auto's forms)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "run.json")
+    cmd = [sys.executable, STUDY, "--config", config, "--systems", ",".join(systems),
+           "--phases", "runs",
+           "--seeds", str(seeds), "--bandwidths", bandwidth, "--headline", bandwidth,
+           "--stop-at-target", "--out", out] + [a for s in sets for a in ("--set", s)]
+    subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    with open(out) as f:
+      return json.load(f)
+
+
+def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
+  """Per seed of `system` in a study's results: measured steps and train time to the target,
+  and the forms auto ran (step, form) where it changed (none for a fixed system)."""
+  metric, target = tta_analysis.target_metric(results), results["meta"]["target"]
+  out = []
+  for r in results.get("train", []):
+    if r["system"] != system:
+      continue
+    hit = tta_analysis.steps_to_target(r["curve"], target, metric)
+    forms = [(c["step"], c["form"]) for c in r.get("exchange_choices", [])]
+    forms = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
+    choices = r.get("exchange_choices", [])
+    out.append({"seed": r["seed"], "steps": hit["step"] if hit else None,
+                "time_s": hit["train_time_s"] if hit else None, "forms": forms,
+                "predictions": predictions(choices)})
+  return out
+
+
+def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Each measured choice's predicted step for the form it ran next against that form's step as
+  the next choice observed it in the run: [{"form", "predicted_s", "observed_s", "from"}];
+  "from": "observed" where the prediction rests on that form's own steps in the run (observed
+  at this choice or an earlier one, not timed again since), else "timed" (its step timed on a
+  copy of the state, with what the run added to the other form)."""
+  out, seen = [], set()
+  for c, after in zip(choices, [*choices[1:], None]):
+    how = c.get("how", "")
+    if how.startswith("observed"):
+      seen.add(c["measured"])
+    seen -= {f for f in ("dense", "sparse") if f"{f} timed again" in how}
+    if how.startswith("timed"):
+      seen.discard(c["measured"])
+    if (after is not None and c.get("why") == "measured" and after.get("why") == "measured"
+        and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
+      out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
+                  "observed_s": after["measured_step_ms"] / 1e3,
+                  "from": "observed" if c["form"] in seen else "timed"})
+  return out
+
+
+def step_check(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+  """Per form and what the prediction rested on (a step "timed" on a copy at the first
+  measurement, else "observed" in the run), auto's predicted step against the step the run
+  then took (`predictions`), over all runs: {"form, from": {"predicted_s": [...],
+  "observed_s": [...], "ratios": [...]}}."""
+  out: dict[str, dict[str, Any]] = {}
+  for x in runs:
+    for p in x.get("predictions", []):
+      row = out.setdefault(f"{p['form']}, {p.get('from', 'observed')}",
+                           {"predicted_s": [], "observed_s": [], "ratios": []})
+      row["predicted_s"].append(p["predicted_s"])
+      row["observed_s"].append(p["observed_s"])
+      row["ratios"].append(p["predicted_s"] / p["observed_s"])
+  return out
+
+
+def _median(values) -> float | None:
+  vals = [v for v in values if v is not None]
+  return statistics.median(vals) if vals else None
+
+
+def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
+          system: str, trained: dict[str, list[dict[str, Any]]] | None = None
+          ) -> dict[str, Any]:
+  """One bandwidth's comparison: auto's measured time to target against the fixed systems
+  there (those `trained` end to end beside it, measured the same way; the others the
+  reference's steps to target x swept step), its exposed exchange against DDP's, and the
+  verdicts."""
+  analysis = reference["analysis"]
+  times = {s: e["predicted_time_to_target_s"].get(bandwidth) for s, e in analysis.items()
+           if s != system and e["predicted_time_to_target_s"].get(bandwidth)}
+  measured = {s: [x["time_s"] for x in r] for s, r in (trained or {}).items()}
+  times.update(measured)
+  fixed = {s: _median(v) for s, v in times.items() if not s.startswith("torch")}
+  best = min(fixed, key=lambda s: fixed[s])
+  ddp = _median(times["torch-ddp"])
+  r = reference["exchange_over_compute"].get(bandwidth)
+  parity = statistics.median(x["jax_over_torch"] for x in reference["parity"])
+  mine = [x["time_s"] for x in runs]
+  med = _median(mine)
+  jax_compute = tta_analysis.compute_s(reference, "jax")
+  torch_compute = tta_analysis.compute_s(reference, "torch")
+  exposed = [x["time_s"] / x["steps"] - jax_compute for x in runs if x["steps"]]
+  ddp_steps = [row["step_s"] for row in reference["sweep"]
+               if row["system"] == "torch-ddp" and row["bandwidth"] == bandwidth]
+  ddp_exposed = [s - torch_compute for s in ddp_steps]
+  over_ddp = ddp / med if med else None
+  need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
+  return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
+          "auto_over_best_by_seed": paired(runs, trained or {}),
+          "steps_checked": step_check(runs),
+          "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
+          "fixed_time_s": times, "fixed_trained": sorted(measured), "best_fixed": best,
+          "auto_over_best": med / fixed[best] if med else None,
+          "ddp_over_auto": over_ddp, "ddp_over_auto_needed": need,
+          "auto_exposed_s": exposed, "ddp_exposed_s": ddp_exposed,
+          "within_1.1_of_best": bool(med and med / fixed[best] <= 1.1),
+          "ddp_target_met": bool(over_ddp and over_ddp >= need),
+          "exposed_met": bool(exposed and max(exposed) <= _median(ddp_exposed))}
+
+
+def paired(runs: list[dict[str, Any]], trained: dict[str, list[dict[str, Any]]]
+           ) -> list[float]:
+  """Seed by seed, auto's time over the fastest fixed system trained beside it on that seed
+  (the same data order and initial parameters: a seed's steps to target move every system
+  alike, and on MNIST they spread 168-240 between seeds)."""
+  out = []
+  for run in runs:
+    mates = [x["time_s"] for r in trained.values() for x in r
+             if x["seed"] == run["seed"] and x["time_s"]]
+    if run["time_s"] and mates:
+      out.append(run["time_s"] / min(mates))
+  return out
+
+
+def _x(ratio: float | None) -> str:
+  return "not reached" if ratio is None else f"{ratio:.2f}"
+
+
+def _forms(forms: list[list]) -> str:
+  return ", then ".join(f"{form} from {step}" for step, form in forms) or "-"
+
+
+def table(results: dict[str, Any]) -> str:
+  m = results["meta"]
+  rows = results["rows"]
+  fixed = sorted({s for row in rows for s in row["fixed_time_s"]})
+  trained = sorted({s for row in rows for s in row.get("fixed_trained", [])})
+  beside = (f"{', '.join(trained)} trained end to end beside it the same way (seed by seed, "
+            "the systems in turn); the others " if trained else "")
+  lines = [f"`{m['system']}` trained end to end at each link (its measured train time to "
+           f"{m['target_metric']} {m['target']}, probes included, {m['seeds']} seeds min / "
+           f"median / max) against the fixed systems: {beside}from the reference study "
+           f"(steps to target x step time measured at that link; `{m['reference']}`). R: "
+           "dense exchange / compute. By seed: auto's time over the fastest fixed system "
+           "trained beside it on the same seed (min / median / max over the seeds). Needed over "
+           "DDP: 1.5x where R >= 2, 1x where R >= 1, 1 / parity below:", "",
+           "| link | R | auto s | " + " | ".join(f"{s} s" for s in fixed)
+           + " | auto / best fixed | by seed | DDP / auto (needed) |", "|---|---:|" + "---:|" * (
+               len(fixed) + 4)]
+  for row in rows:
+    cells = [spread(row["fixed_time_s"].get(s, []), 1) for s in fixed]
+    lines.append(f"| {row['bandwidth']} | {row['R']:.2g} | {spread(row['auto_time_s'], 1)} | "
+                 + " | ".join(cells) + f" | {_x(row['auto_over_best'])} ({row['best_fixed']}) | "
+                 f"{spread(row.get('auto_over_best_by_seed', []), 2) or '-'} | "
+                 f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
+  lines += ["", "Exposed exchange per step (ms; auto: its mean step to the target, warm-up "
+            "and probes included, minus the JAX compute-only step; DDP: its swept step minus "
+            "PyTorch's), auto's steps to target and its forms (seed 0's):", "",
+            "| link | auto exposed | DDP exposed | auto steps | auto's forms |",
+            "|---|---:|---:|---:|---|"]
+  for row in rows:
+    lines.append(f"| {row['bandwidth']} | {spread(row['auto_exposed_s'], 1, 1e3)} | "
+                 f"{spread(row['ddp_exposed_s'], 1, 1e3)} | {spread(row['auto_steps'], 0)} | "
+                 f"{_forms(row['forms'][0] if row['forms'] else [])} |")
+  checked = [(row["bandwidth"], f, c) for row in rows
+             for f, c in row.get("steps_checked", {}).items()]
+  if checked:
+    lines += ["", "Each form's step (ms) as auto predicted it at a choice against the step the "
+              "run then took in that form (the next choice's observation of it; pairs over "
+              "all seeds), by what the prediction rested on: the first measurement's step timed "
+              "on a copy of the state, or a step observed in the run:", "",
+              "| link | form, from | pairs | predicted | observed | predicted / observed |",
+              "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "
+              f"{spread(c['observed_s'], 1, 1e3)} | {spread(c['ratios'], 2)} |"
+              for bw, f, c in checked]
+  verdicts = {k: all(row[k] for row in rows) for k in
+              ("within_1.1_of_best", "ddp_target_met", "exposed_met")}
+  lines += ["", "Met at every link: " + ", ".join(f"{k}: {'yes' if v else 'no'}"
+                                                  for k, v in verdicts.items()), "", footer(m)]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", required=True)
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+  ap.add_argument("--system", required=True, help="an auto system of the study's SYSTEMS")
+  ap.add_argument("--reference", required=True, help="a time_to_accuracy study's JSON (with "
+                  "parity, the fixed systems and torch-ddp swept at every --bandwidths)")
+  ap.add_argument("--bandwidths", required=True, help="where to train auto, each swept in "
+                  "the reference")
+  ap.add_argument("--fixed", default="", help="study systems (comma-separated) trained end to "
+                  "end beside auto at each link and judged from those runs, not from the "
+                  "reference's predicted times")
+  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--out", type=json_path, required=True)
+  ap.add_argument("--from-results", metavar="JSON", help="no runs: auto's runs from this "
+                  "file judged again against --reference (a reference moved into the checkout)")
+  args = ap.parse_args(argv)
+  reference = load_reference(ap, args)
+  if args.from_results:
+    with open(args.from_results) as f:
+      results = json.load(f)
+  else:
+    fixed = [s.strip() for s in args.fixed.split(",") if s.strip()]
+    results = {"runs": {}, "fixed_runs": {}, "meta": {
+        "system": args.system, "seeds": args.seeds, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+        "command": command_line("studies/auto/end_to_end.py",
+                                list(sys.argv[1:] if argv is None else argv))}}
+    for bandwidth in [b.strip() for b in args.bandwidths.split(",")]:
+      done = train_at(args.config, [args.system, *fixed], bandwidth, args.seeds, args.sets,
+                      sys.stdout)
+      results["runs"][bandwidth] = runs_of(done, args.system)
+      results["fixed_runs"][bandwidth] = {s: runs_of(done, s) for s in fixed}
+      print(json.dumps({bandwidth: results["runs"][bandwidth]}), flush=True)
+  results["meta"].update(reference=portable_path(args.reference),
+                         target=reference["meta"]["target"],
+                         target_metric=tta_analysis.target_metric(reference))
+  results["rows"] = [judge(reference, bw, runs, results["meta"]["system"],
+                           results.get("fixed_runs", {}).get(bw))
+                     for bw, runs in results["runs"].items()]
+  text = table(results)
+  print(text)
+  write_results(args.out, results, text)
+  return 0
+
+
+def load_reference(ap, args) -> dict[str, Any]:
+  """The reference study's results, checked to hold what the judgement needs."""
+  with open(resolve(args.reference)) as f:
+    reference = json.load(f)
+  if tta_systems.system_spec(args.system)[1].get("compression.algorithm") != "auto":
+    ap.error(f"--system {args.system!r} is not an auto system of the study")
+  missing = [k for k in ("parity", "analysis", "sweep") if not reference.get(k)]
+  if missing or "torch-ddp" not in reference["analysis"]:
+    ap.error(f"--reference {args.reference!r} lacks {missing or ['torch-ddp']}: run the study "
+             "with --phases parity,runs and torch-ddp among its systems")
+  return reference
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,524 @@
+"""Time to accuracy on an emulated, link-bound cloud cluster: sparsejax's exchanges and PyTorch DDP
+train the same model on the same data with the same recipe to the same target test accuracy.
+
+  python studies/time_to_accuracy/run.py [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
+      [--systems dense,hierarchical,allgather-0.01,...] [--bandwidths unlimited,2gbit,...]
+      [--headline 1gbit] [--seeds 3] [--phases parity,runs] [--quick]
+      [--out studies/time_to_accuracy/results/time_to_accuracy.json]
+
+The task is a `sparsejax train` config (model, data.name, data.path, recipe, target_metric:
+accuracy, or loss reached at or below, and target_value, eval_every_steps) with the same `--set`
+keys; each system only changes `compression.*` (a system name may add its own overrides:
+"hitopk-0.01+experimental.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
+configs/tta_kjv_lm.py (a Transformer LM, AdamW). This file is the driver and the cluster's
+workers; the systems and the task are systems.py beside it, the analysis, tables and plot
+analysis.py (also `--from-results`), and the runners are modules of their own: sparsejax's
+(jax_runner.py) runs the trainer's compiled steps; the PyTorch peer (torch_peer.py) builds the
+same model (`mlp` or `transformer_lm`, the same initialisation), reads the same batches of the same
+data (sparsejax's inputs for each step), and uses the same learning-rate schedule, optimizer and
+weight decay (kernels only).
+
+The cluster (link-bound by design): 2 nodes (`EmulatedCluster`, a network namespace each, tc tbf
+on both ends of each node's link), one process per node pinned to its own core (this machine has
+2: no more busy processes than cores), each sparsejax process with `mesh.local` CPU devices (the
+fast intra-node axis stays inside the process), each PyTorch process one thread with the node's
+share of the batch. Phases:
+
+  parity  compute only, no cluster: each node's process on its own core at once (pinned as the
+          runs pin them), the sparsejax trainer's step on a (1, local) mesh vs PyTorch's step,
+          same model and per-process batch; alternated rounds, the ratio per round.
+  runs    one process run per system and seed, in two parts:
+          train: the whole recipe on the cluster at `--headline` bandwidth, evaluating every
+          `eval_every_steps` with the clock stopped (state synchronised first): steps and train
+          time to the target, final accuracy, bytes that crossed node 0's link (its interface
+          counter);
+          sweep: then, in the same processes, the step time at every `--bandwidths` value (rank 0
+          changes the link's limit in place, both processes waiting at a barrier) and, for the
+          sparse exchanges, at every density level its warm-up passes through.
+
+Time to target at bandwidth b = sum over the density levels of (steps to target at that level) x
+(median step time at b and that level): the trajectory (steps to target) does not depend on the
+link, the step time does; the seeds give the separate process runs of each step time. Where
+--headline is among the swept bandwidths, the measured train time to target checks the sum.
+Writes JSON, a markdown table and a plot (time to target against bandwidth, one line per system,
+crossovers against sparsejax dense marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if not __package__:  # run as `python studies/time_to_accuracy/run.py`: import from this checkout
+  sys.path.insert(0, ROOT)
+
+from sparsejax.bench import (  # noqa: E402  # noqa: E402
+  command_line,
+  exclusive,
+  json_path,
+  launch_workers,  # noqa: E402
+  pin_to_core,
+  portable_path,
+  wait_all,
+  write_results,
+)
+from studies.time_to_accuracy.analysis import report, steps_to_target  # noqa: E402
+from studies.time_to_accuracy.jax_runner import JaxRun  # noqa: E402 (sparsejax's runner)
+from studies.time_to_accuracy.systems import (  # noqa: E402
+  DEFAULT_BANDWIDTHS,
+  NODES,
+  PEERS_INSTALL,
+  QUICK_SETS,
+  SYSTEMS,
+  density_per_step,
+  level_steps,
+  load_task,
+  model_size,
+  parse_bandwidths,
+  parse_link_change,
+  system_spec,
+)
+from studies.time_to_accuracy.torch_peer import TorchRun  # noqa: E402 (the peer's runner)
+
+# the parity phase's steps: warm-up, then at least this many timed (each process)
+PARITY_WARMUP, PARITY_REPS = 3, 10
+
+
+def _barrier_jax(name: str) -> None:
+  from jax.experimental import multihost_utils
+  multihost_utils.sync_global_devices(name)
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _worker_setup(args):
+  """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core."""
+  rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
+  runtime, options = system_spec(args.system)
+  config = load_task(args.config, json.loads(args.sets), args.system, args.seed)
+  if runtime == "jax":
+    from sparsejax import cluster
+    cluster.initialize()
+    import jax
+    jax.devices()
+    # pinned once XLA has started: its executor pool is sized by the cores the process may use
+    # when it starts, and one thread would run the pipelined exchange's two programs one after
+    # the other (the gloo collective blocks its thread). Every thread is pinned: the pool's
+    # threads share the node's one core.
+    pin_to_core(rank)
+    run: Any = JaxRun(config, (config.mesh.nodes, config.mesh.local))
+  else:
+    pin_to_core(rank)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['SPARSEJAX_COORDINATOR']}",
+                            rank=rank, world_size=NODES)
+    run = TorchRun(config, rank, NODES, options["powersgd"])
+  return config, run, rank, rank == 0
+
+
+def _barrier(run) -> None:
+  if isinstance(run, JaxRun):
+    _barrier_jax("tta")
+  else:
+    run.dist.barrier()
+
+
+def _link_bytes() -> int:
+  from sparsejax import cluster
+  return cluster.link_sent_bytes("eth0")
+
+
+def run_worker(args) -> None:
+  """One process run of one system: the train phase, then the sweep, in the same processes."""
+  config, run, rank, lead = _worker_setup(args)
+  row = {"system": args.system, "seed": args.seed, "total_steps": run.total,
+         "steps_per_epoch": run.data.steps_per_epoch,
+         "curve": train_phase(config, run, args, lead)}
+  auto = getattr(run, "auto", None)
+  if auto is not None:  # measuring, its forms follow the link: no step time per level to sweep
+    row["exchange_choices"] = auto.history
+  from sparsejax.train.auto import measuring
+  measuring = auto is not None and measuring(config)
+  row["sweep"] = [] if measuring else sweep_phase(args, run, lead)
+  if lead:
+    with open(args.worker_out, "w") as f:
+      json.dump([row], f)
+
+
+def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
+  """The whole recipe, evaluating every `eval_every_steps` with the clock stopped; with
+  `--link-change RATE@FRACTION` the link changes (lead process, between two barriers, the
+  clock stopped) before the step at that fraction of the recipe; with `--stop-at-target` the
+  run ends at the first evaluation that reaches the target."""
+  from sparsejax.train.config import target_reached
+  every = config.eval_every_steps or run.total
+  change = json.loads(args.link_change) if args and args.link_change else None
+  curve, train_s = [], 0.0
+  aside = getattr(run, "aside", contextlib.nullcontext)  # what auto leaves out of its steps
+  _barrier(run)
+  sent0 = _link_bytes()
+  seg = time.perf_counter()
+  for step in range(run.total):
+    if change is not None and step == change["step"]:
+      with aside():
+        run.wait()
+        train_s += time.perf_counter() - seg
+        _set_link(run, args, lead, change["bps"])
+      seg = time.perf_counter()
+    run.step(step)
+    done = step + 1
+    if done % every == 0 or done == run.total:
+      with aside():  # (off auto's clock too)
+        run.wait()
+        train_s += time.perf_counter() - seg
+        sent = _link_bytes() - sent0
+        metrics = run.evaluate()
+        curve.append({"step": done, "train_time_s": train_s, "node0_link_bytes": sent,
+                      **{k: metrics[k] for k in ("accuracy", "loss") if k in metrics}})
+        _barrier(run)
+      if (args is not None and args.stop_at_target and target_reached(
+          config.target_metric, metrics[config.target_metric], config.target_value)):
+        break
+      seg = time.perf_counter()
+  return curve
+
+
+def _set_link(run, args, lead: bool, bps: int | None) -> None:
+  """The lead sets both nodes' link rate while the others wait (a barrier either side)."""
+  from sparsejax import cluster
+  _barrier(run)
+  if lead:
+    cluster.set_link_rate(args.cluster_prefix, NODES, bps)
+  _barrier(run)
+
+
+def sweep_phase(args, run, lead: bool) -> list[dict]:
+  """Step times at every bandwidth (rank 0 changes the link between phases, the others wait at
+  a barrier) and at every density level; the link is set back to the headline rate after."""
+  bandwidths = json.loads(args.bandwidths) + [["headline", json.loads(args.headline)]]
+  levels = json.loads(args.levels)  # [[density, a step that runs at it], ...]
+  rows = []
+  for name, bps in bandwidths:
+    _set_link(run, args, lead, bps)
+    if name == "headline":
+      break
+    for density, at_step in levels:
+      if isinstance(run, JaxRun):
+        run.set_step(at_step)
+      times, sent0 = [], _link_bytes()
+      for i in range(args.warmup + args.reps):
+        if i == args.warmup:
+          sent0 = _link_bytes()
+        t0 = time.perf_counter()
+        run.step(at_step + i, level_step=at_step)  # the level stays the one being timed
+        run.wait()
+        if i >= args.warmup:
+          times.append(time.perf_counter() - t0)
+      rows.append({"system": args.system, "seed": args.seed, "bandwidth": name, "rate_bps": bps,
+                   "density": density, "step_s": statistics.median(times),
+                   "node0_link_bytes_per_step": (_link_bytes() - sent0) / args.reps})
+      if getattr(run, "pipe", None) is not None:  # the pipelined step's halves and timeline
+        rows[-1].update(run.pipeline_phases(at_step + args.warmup + args.reps, at_step,
+                                            args.reps))
+  return rows
+
+
+def parity_worker(args) -> None:
+  """Compute only: the node's share of the batch, no communication, pinned to its core as the
+  cluster's workers are (JAX after XLA starts), while the other node's process does the same
+  on the other core (a start barrier in `--parity-dir`): the machine loaded as in the runs."""
+  node = args.parity_node
+  sets = json.loads(args.sets)
+  base = load_task(args.config, sets)
+  per_process = [f"batch_size={base.batch_size // NODES}", "mesh.nodes=1",
+                 f"mesh.local={base.mesh.local}", "compression.algorithm=dense"]
+  config = load_task(args.config, sets + per_process)
+  if args.system == "jax":
+    import jax
+    jax.config.update("jax_num_cpu_devices", config.mesh.local)
+    jax.devices()
+    pin_to_core(node)
+    run: Any = JaxRun(config, (1, config.mesh.local))
+  else:
+    pin_to_core(node)
+    run = TorchRun(config, 0, 1, False, distributed=False)
+  for i in range(PARITY_WARMUP):
+    run.step(i)
+    run.wait()
+  _file_barrier(args.parity_dir, node, NODES)
+  times = []
+  for i in range(PARITY_WARMUP, PARITY_WARMUP + max(args.reps, PARITY_REPS)):
+    t0 = time.perf_counter()
+    run.step(i)
+    run.wait()
+    times.append(time.perf_counter() - t0)
+  with open(args.worker_out, "w") as f:
+    json.dump({"runtime": args.system, "node": node, "step_s": statistics.median(times),
+               "batch_per_process": config.batch_size,
+               "layout": (f"{NODES} processes at once, one pinned to each core, "
+                          f"{config.mesh.local} CPU devices each" if args.system == "jax"
+                          else f"{NODES} processes at once, one pinned to each core, "
+                          "1 thread each")}, f)
+
+
+def _file_barrier(directory: str, index: int, count: int, timeout_s: float = 600) -> None:
+  """Waits until `count` processes have each created their file in `directory`."""
+  open(os.path.join(directory, f"ready{index}"), "w").close()
+  deadline = time.monotonic() + timeout_s
+  while sum(n.startswith("ready") for n in os.listdir(directory)) < count:
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"parity barrier: fewer than {count} processes ready in {timeout_s} s")
+    time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict]:
+  argv = ["--system", system, "--config", args.config, "--sets", json.dumps(args.sets),
+          *extra]
+  runtime = system_spec(system)[0]
+  task = load_task(args.config, args.sets, system)
+  # a pipelined exchange on two devices per worker ("device") needs twice the devices
+  local = task.mesh.local * (2 if task.overlap.pipeline == "device" else 1)
+  with exclusive(args.lock):
+    return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
+                          devices_per_proc=local if runtime == "jax" else 1, log=log,
+                          what=f"{mode} {system}", torch=runtime == "torch")
+
+
+class RunTimeout(Exception):
+  """A process run outlived --run-timeout."""
+
+
+def _alarm(signum, frame):
+  raise RunTimeout
+
+
+def _run_with_retry(c, system: str, seed: int, args, extra: list[str], log,
+                    headline_bps: int | None) -> dict | None:
+  """One process run (train + sweep) of `system`, at most `--run-timeout` s; a crashed or hung
+  run is run once more (and marked), a second failure is recorded by the caller, not raised."""
+  for attempt in range(2):
+    c.set_rate(headline_bps)  # whatever a failed sweep left behind
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(args.run_timeout)
+    try:
+      row = _launch(c, "run", system, args, extra, log)[0]
+      if attempt:
+        row["retried"] = True
+      return row
+    except (RuntimeError, RunTimeout) as e:
+      why = "timed out" if isinstance(e, RunTimeout) else f"failed ({e})"
+      print(f"{system} seed {seed} {why}" + ("; running it again" if not attempt else ""),
+            flush=True)
+    finally:
+      signal.alarm(0)
+      signal.signal(signal.SIGALRM, old)
+  return None
+
+
+def run_parity(args, log) -> list[dict]:
+  """Alternated JAX / PyTorch compute-only rounds, each round one process per node at once; a
+  runtime's step: the median of its nodes' medians; a ratio per round."""
+  import tempfile
+  rounds = []
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  for r in range(args.parity_runs):
+    row = {"round": r}
+    for runtime in ("jax", "torch"):
+      with tempfile.TemporaryDirectory() as d, exclusive(args.lock):
+        procs = [subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
+             "--config", args.config, "--sets", json.dumps(args.sets),
+             "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
+             "--parity-node", str(node), "--reps", str(args.reps)],
+            env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(NODES)]
+        codes = wait_all(procs, 1200)
+        if any(codes):
+          raise RuntimeError(f"parity round {r}: {runtime} processes exited {codes}")
+        nodes = []
+        for node in range(NODES):
+          with open(os.path.join(d, f"node{node}.json")) as g:
+            nodes.append(json.load(g))
+      row[runtime] = {**nodes[0], "step_s": statistics.median(n["step_s"] for n in nodes),
+                      "nodes_step_s": [n["step_s"] for n in nodes]}
+    row["jax_over_torch"] = row["jax"]["step_s"] / row["torch"]["step_s"]
+    print(f"parity round {r}: jax {row['jax']['step_s'] * 1e3:.1f} ms, torch "
+          f"{row['torch']['step_s'] * 1e3:.1f} ms, ratio {row['jax_over_torch']:.2f}", flush=True)
+    rounds.append(row)
+  return rounds
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tta_fmnist_mlp.py"))
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+  ap.add_argument("--systems", help=f"default: all ({','.join(SYSTEMS)}); --quick: "
+                  "dense,hitopk-0.01,torch-ddp")
+  ap.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS)
+  ap.add_argument("--headline", default="1gbit", help="the link's bandwidth while training")
+  ap.add_argument("--seeds", type=int, default=3, help="each seed is one process run per system")
+  ap.add_argument("--parity-runs", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--phases", default="parity,runs")
+  ap.add_argument("--link-change", metavar="RATE@FRACTION",
+                  help="a changing link: the headline rate, then RATE from that fraction of the "
+                  "recipe's steps on (e.g. 100mbit@0.33); the runs are timed end to end, no sweep")
+  ap.add_argument("--stop-at-target", action="store_true",
+                  help="end each run at its first evaluation that reaches the target (time to "
+                  "target only; no final accuracy)")
+  ap.add_argument("--run-timeout", type=int, default=900,
+                  help="seconds one process run (train + sweep) may take")
+  ap.add_argument("--lock", help="a file to flock around each process run (benchmarks that "
+                  "share the machine and the file take turns)")
+  ap.add_argument("--quick", action="store_true",
+                  help="CI smoke run: small MLP on digits, 36 steps, dense/hitopk-0.01/torch-ddp, "
+                  "1 seed")
+  ap.add_argument("--out", type=json_path,
+                  default=os.path.join(HERE, "results", "time_to_accuracy.json"))
+  ap.add_argument("--from-results", metavar="JSON",
+                  help="no runs: analyse a results file again, writing --out's table and plot")
+  # worker-only arguments
+  ap.add_argument("--mode", choices=("driver", "run", "parity"), default="driver",
+                  help=argparse.SUPPRESS)
+  ap.add_argument("--system", help=argparse.SUPPRESS)
+  ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+  ap.add_argument("--sets", dest="sets_json", help=argparse.SUPPRESS)
+  ap.add_argument("--levels", help=argparse.SUPPRESS)
+  ap.add_argument("--cluster-prefix", help=argparse.SUPPRESS)
+  ap.add_argument("--link-change-at", dest="link_change_json", help=argparse.SUPPRESS)
+  ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+  ap.add_argument("--parity-dir", help=argparse.SUPPRESS)
+  ap.add_argument("--parity-node", type=int, default=0, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
+  args.config = os.path.abspath(args.config)  # results store it relative to the checkout
+  if args.mode != "driver":
+    args.sets = args.sets_json
+    args.link_change = args.link_change_json
+    if args.mode == "run":
+      run_worker(args)
+    else:
+      parity_worker(args)
+    return 0
+  return drive(ap, args)
+
+
+def drive(ap, args) -> int:
+  if args.from_results:
+    with open(args.from_results) as f:
+      report(json.load(f), args.out)
+    return 0
+  if args.quick:
+    args.sets = QUICK_SETS + args.sets
+    args.systems = args.systems or "dense,hitopk-0.01,torch-ddp"
+    args.bandwidths, args.headline = "unlimited,200mbit", "200mbit"
+    args.seeds, args.parity_runs, args.reps, args.warmup = 1, 1, 3, 1
+  systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
+  for system in systems:
+    try:
+      system_spec(system)
+    except ValueError as e:
+      ap.error(str(e))
+  phases = [p.strip() for p in args.phases.split(",")]
+  if not set(phases) <= {"parity", "runs"}:
+    ap.error(f"--phases must be a subset of parity,runs, got {args.phases!r}")
+  torch_needed = [s for s in systems if system_spec(s)[0] == "torch"] + (
+      ["the parity phase"] if "parity" in phases else [])
+  if torch_needed and importlib.util.find_spec("torch") is None:
+    ap.error(f"{', '.join(torch_needed)} need PyTorch, which is not installed: {PEERS_INSTALL} "
+             f"(or --phases runs --systems with sparsejax systems only)")
+  for name in ("seeds", "parity_runs", "reps"):
+    if getattr(args, name) < 1:
+      ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  try:
+    bandwidths = parse_bandwidths(args.bandwidths)
+    headline = parse_bandwidths(args.headline)[0]
+    config = load_task(args.config, args.sets)
+    change = parse_link_change(args.link_change) if args.link_change else None
+  except ValueError as e:
+    ap.error(str(e))
+  if config.mesh.nodes != NODES:
+    ap.error(f"the study runs on {NODES} emulated nodes; the config says mesh.nodes = "
+             f"{config.mesh.nodes}")
+  if config.target_metric not in ("accuracy", "loss"):
+    ap.error(f"the config must set target_metric = 'accuracy' or 'loss' (and target_value), "
+             f"got {config.target_metric!r}")
+  from sparsejax import cluster
+  from sparsejax import data as data_lib
+  inputs = data_lib.open_inputs(config)
+  steps_per_epoch = inputs.steps_per_epoch
+  total = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+  results: dict[str, Any] = {"systems": systems, "meta": {
+      "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
+      "target_metric": config.target_metric,
+      "config": portable_path(args.config), "sets": args.sets, "bandwidths": args.bandwidths,
+      "headline": args.headline, "link_change": args.link_change,
+      "stop_at_target": args.stop_at_target,
+      "machine": platform.machine(), "cpus": os.cpu_count(),
+      "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
+      "batch_size": config.batch_size, "total_steps": total,
+      "parameters": model_size(config, inputs),
+      "command": command_line("studies/time_to_accuracy/run.py", args.argv)}}
+  log = sys.stdout
+  partial = os.path.splitext(args.out)[0] + ".partial.json"  # every finished run, as it ends
+  if "parity" in phases:
+    results["parity"] = run_parity(args, log)
+  if "runs" in phases:
+    results["train"], results["sweep"] = [], []
+    # its own prefix family, so tests of other clusters running beside it never see it
+    with cluster.EmulatedCluster(NODES, headline[1], prefix=f"tta{uuid.uuid4().hex[:6]}") as c:
+      for seed in range(args.seeds):
+        for system in systems:
+          cfg = load_task(args.config, args.sets, system, seed)
+          extra = ["--seed", str(seed), "--bandwidths",
+                   json.dumps([] if change else bandwidths), "--headline",
+                   json.dumps(headline[1]), "--levels",
+                   json.dumps(level_steps(cfg, steps_per_epoch, total)), "--cluster-prefix",
+                   c.prefix, "--warmup", str(args.warmup), "--reps", str(args.reps)]
+          if change:
+            extra += ["--link-change-at", json.dumps(
+                {"step": round(change[1] * total), "bps": change[0][1]})]
+          if args.stop_at_target:
+            extra.append("--stop-at-target")
+          row = _run_with_retry(c, system, seed, args, extra, log, headline[1])
+          if row is None:
+            results.setdefault("failed", []).append({"system": system, "seed": seed})
+            continue
+          results["sweep"] += row.pop("sweep")
+          dens = density_per_step(cfg, steps_per_epoch, total)
+          hit = steps_to_target(row["curve"], config.target_value, config.target_metric)
+          if hit:
+            values, counts = np.unique(dens[:hit["step"]], return_counts=True)
+            row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]
+          results["train"].append(row)
+          print(json.dumps({"system": system, "seed": seed, "reached": hit}), flush=True)
+          write_results(partial, results, "partial: not analysed yet")
+  report(results, args.out)
+  for leftover in (partial, os.path.splitext(partial)[0] + ".md"):
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(leftover)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
