@@ -166,10 +166,16 @@ def _weighted(x: jax.Array, feedback: Feedback, k: int, select: Selector, weight
   return values / weights[indices], indices, Feedback(residual / weights)
 
 
+def _momentum_term(x: jax.Array, feedback: Feedback, correction: MomentumCorrection
+                   ) -> tuple[jax.Array, jax.Array]:
+  """(new velocity, candidate term): `momentum * u + x`, and with Nesterov `x + momentum * u`."""
+  velocity = correction.momentum * feedback.velocity + x
+  return velocity, x + correction.momentum * velocity if correction.nesterov else velocity
+
+
 def _momentum(x: jax.Array, feedback: Feedback, k: int, select: Selector,
               correction: MomentumCorrection) -> tuple[jax.Array, jax.Array, Feedback]:
-  velocity = correction.momentum * feedback.velocity + x
-  term = x + correction.momentum * velocity if correction.nesterov else velocity
+  velocity, term = _momentum_term(x, feedback, correction)
   # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
   # kernel (topk.select_feedback).
   values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
@@ -199,8 +205,7 @@ def feedback_dense(x: jax.Array, feedback: Feedback, *, correction: Correction |
     direction, m, v = adam_direction(x / scale, feedback, correction, count)
     return scale * direction + feedback.residual, Feedback(empty, m, v)
   if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
-    velocity = correction.momentum * feedback.velocity + x
-    term = x + correction.momentum * velocity if correction.nesterov else velocity
+    velocity, term = _momentum_term(x, feedback, correction)
     return term + feedback.residual, Feedback(empty, velocity)
   if correction is not None and not isinstance(correction, MomentumCorrection):
     raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "

@@ -136,12 +136,6 @@ def run_one(args, task: str, name: str, workers: int, seed: int, n: int) -> dict
           "bytes_sent_per_step": summary["bytes_sent"] / max(summary["steps"], 1)}
 
 
-def model_size(config_path: str, sets: list[str]) -> int:
-  from studies.time_to_accuracy.systems import load_task
-  from studies.time_to_accuracy.systems import model_size as size
-  return size(load_task(config_path, sets))
-
-
 def _median(values: list[float]) -> float | None:
   values = [v for v in values if v is not None]
   return statistics.median(values) if values else None
@@ -236,9 +230,9 @@ def collect(ap, args, argv: list[str]) -> dict[str, Any]:
     ap.error(str(e))
   if any(p < 2 for p in workers) or args.seeds < 1:
     ap.error(f"--workers must be >= 2, got {workers}; --seeds >= 1, got {args.seeds}")
-  from studies.time_to_accuracy.systems import load_task
+  from studies.time_to_accuracy.systems import load_task, model_size
   task_config = load_task(args.config, args.sets)
-  n = model_size(args.config, args.sets)
+  n = model_size(task_config)
   task = os.path.splitext(os.path.basename(args.config))[0]
   results = {"meta": {
       "command": command_line(__file__, argv), "config": portable_path(args.config),
