@@ -467,6 +467,17 @@ def test_a_rest_taken_at_a_far_link_is_taken_again():
   assert not auto._stale(0.2, 0.01, 0.03, 300 * mb, 100 * mb)
 
 
+def test_of_two_link_reads_the_faster_is_kept():
+  """A stall makes a probe slow, nothing makes it fast: of two reads, the one that moves the
+  shard sooner (an unlimited link read 194 Mbit/s once and too fast to tell the next time)."""
+  mb = 1e6
+  slow, fast = auto.Link(0.0004, 24.25 * mb), auto.Link(0.0009, math.inf)
+  assert auto.faster(slow, fast, 1e6) == fast and auto.faster(fast, slow, 1e6) == fast
+  # a small transfer is decided by the fixed cost per call
+  assert auto.faster(slow, fast, 100) == slow
+  assert auto.faster(auto.Link(0.001, 5 * mb), auto.Link(0.001, 6 * mb), 1e6).bytes_per_s == 6 * mb
+
+
 @pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "higtopk"])
 def test_a_link_read_too_slow_for_a_step_is_raised_to_fit_it(algorithm):
   """A step holds its exchange: where the probes' link makes a form's modelled exchange longer

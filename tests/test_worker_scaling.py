@@ -2,6 +2,7 @@
 themselves are the study's; a two-worker run is in the integration tier)."""
 
 import json
+import os
 
 import pytest
 
@@ -27,11 +28,21 @@ def test_the_k_rules_grow_with_the_workers_and_stop_at_density_one():
   assert ws.density_at("gtopk-0.01-sqrtP", 16, N) == pytest.approx(0.01 * 8 ** 0.5)
   assert ws.density_at("gtopk-0.01-P", 16, N) == pytest.approx(0.08)
   assert ws.density_at("gtopk-0.5-P", 16, N) == 1.0
-  assert ws.parse_system("allgather-0.01-mc") == ("allgather", 0.01, True, "")
+  assert ws.parse_system("allgather-0.01-mc") == ("allgather", 0.01, True, "", False, 1.0)
+
+
+def test_masking_and_a_longer_warm_up_reach_the_run_config():
+  config = os.path.join(ws.ROOT, "configs", "tta_fmnist_mlp.py")
+  masked = ws.run_config(config, [], "gtopk-0.01-mcm-w4", 16, 0, N)
+  plain = ws.run_config(config, [], "gtopk-0.01-mc", 16, 0, N)
+  assert masked.experimental.momentum_masking and not plain.experimental.momentum_masking
+  assert masked.compression.warmup_epochs == pytest.approx(4 * plain.compression.warmup_epochs)
+  assert masked.mesh.nodes == 16 and masked.compression.algorithm == "gtopk"
 
 
 @pytest.mark.parametrize("bad", ["dense-0.1", "allgather", "allgather-0.01-bytes", "gtopk-2",
-                                 "topk-0.01", "gtopk-0.01-mc-sqrt"])
+                                 "topk-0.01", "gtopk-0.01-mc-sqrt",
+                                 "gtopk-0.01-w0", "gtopk-0.01-w4-P"])
 def test_a_bad_system_name_is_named(bad):
   with pytest.raises(ValueError, match=f"system '{bad}'"):
     ws.parse_system(bad)

@@ -230,11 +230,16 @@ def measuring(config: Any) -> bool:
 
 # ----------------------------------------------------------------------------- the probes
 
-def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True) -> float:
+def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True,
+           untimed: list[float] | None = None) -> float:
   """The fewest seconds of `fn(*args)` over `reps` calls (interference on a shared machine only
-  adds time), after one untimed call (compilation, first touches) if `warm`."""
+  adds time), after one untimed call (compilation, first touches) if `warm`, its seconds
+  appended to `untimed` where given."""
   if warm:
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
+    if untimed is not None:
+      untimed.append(time.perf_counter() - t0)
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -254,8 +259,8 @@ def large_probe_size(shard: int, target: float) -> int:
   return large
 
 
-def _probe_link(mesh: Any, shard: int, prior: Link | None = None
-                ) -> tuple[Link, Link, float]:
+def _probe_link(mesh: Any, shard: int, prior: Link | None = None,
+                untimed: list[float] | None = None) -> tuple[Link, Link, float]:
   """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
   is fast enough that 64 KiB would not tell it from the fixed cost, at about the size that takes
   `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size) by `prior`,
@@ -264,7 +269,8 @@ def _probe_link(mesh: Any, shard: int, prior: Link | None = None
   in its token bucket's burst, and a large probe sized by them ran at the whole shard, about
   0.2 s a measurement at 500 Mbit/s.) Returns (the link, the guide for the next measurement:
   this fit where it had a large probe, else `prior`, the seconds its timed calls took: what a
-  measurement costs once its sizes are compiled)."""
+  measurement costs once its sizes are compiled; each size's first call appended to
+  `untimed`)."""
   nodes, local = mesh.shape["node"], mesh.shape["local"]
   if nodes == 1:
     return Link(0.0, math.inf), Link(0.0, math.inf), 0.0
@@ -279,7 +285,7 @@ def _probe_link(mesh: Any, shard: int, prior: Link | None = None
     first_use = (mesh, size) not in _PROBED
     _PROBED.add((mesh, size))
     return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here),
-                            warm=first_use)])[0]
+                            warm=first_use, untimed=untimed)])[0]
 
   sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
   times = [seconds(size) for size in sizes]
@@ -324,13 +330,28 @@ def _probe_select(selector: str, shard: int, k: int, nodes: int) -> float:
   return _timed(_select_work(selector, k, nodes), x, r)
 
 
+_GATHERED = 4  # values per `_slowest` call, padded: one shape, compiled once (each new length
+# compiled its own gather, 20-25 ms on the clock of a measurement)
+
+
 def _slowest(values: Sequence[float]) -> list[float]:
   """Each value's maximum over the processes (the same list on every process)."""
   if jax.process_count() == 1:
     return [float(v) for v in values]
+  if len(values) > _GATHERED:
+    raise ValueError(f"_slowest takes at most {_GATHERED} values, got {len(values)}")
   from jax.experimental import multihost_utils
-  gathered = multihost_utils.process_allgather(np.asarray(values, np.float64))
-  return [float(v) for v in np.asarray(gathered).reshape(-1, len(values)).max(0)]
+  padded = np.full(_GATHERED, -np.inf, np.float32)
+  padded[:len(values)] = values
+  gathered = multihost_utils.process_allgather(padded)
+  return [float(v) for v in np.asarray(gathered).reshape(-1, _GATHERED).max(0)[:len(values)]]
+
+
+def faster(a: Link, b: Link, size_bytes: float) -> Link:
+  """Of two reads of the link, the one that moves `size_bytes` sooner: a stall on a loaded
+  machine makes a probe slow, nothing makes it fast (an unlimited link read 194 Mbit/s in one
+  measurement of the MNIST MLP and too fast to tell in the next)."""
+  return min((a, b), key=lambda link: link.fixed_s + size_bytes / link.bytes_per_s)
 
 
 # ----------------------------------------------------------------------------- the controller
@@ -422,7 +443,9 @@ class AutoExchange:
     self._rest_link: dict[str, Link] = {}  # the link each form's rest was taken at
     self._seen: set[str] = set()  # the forms observed in the run
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
-    self.probe_s = 0.0  # the last measurement's timed calls, seconds (the slowest process's)
+    self.probe_s = 0.0  # the last measurement's probes, wall seconds (the slowest process's)
+    self._start = 0.0  # when the measurement under way started (after the window's steps)
+    self._untimed: list[float] = []  # its first calls (compilation) so far, seconds
     self.lead = jax.process_index() == 0
     # the steps timed since the last measurement: (level, first step, its start, paused seconds)
     self._window: tuple[int, int, float, float] | None = None
@@ -511,9 +534,11 @@ class AutoExchange:
     fn = self.compiled(level)
     copy = jax.tree.map(jnp.copy, state)
     if level not in self._warm:
+      t0 = time.perf_counter()
       copy, _ = fn(copy, *batch)
       jax.block_until_ready(copy)
       self._warm.add(level)
+      self._untimed.append(time.perf_counter() - t0)
     times = []
     for _ in range(reps):
       t0 = time.perf_counter()
@@ -583,10 +608,16 @@ class AutoExchange:
     steps = {form: step_s}
     if self._stale(other := _other(form), link):  # the other form timed again at this link
       steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
-      self.probe_s += PROBE_REPS * steps[other]
       how += f"; {other} timed again (the link moved)"
       link = self._fit(link, {other: steps[other]})
     return form, steps, how, link
+
+  def _spent(self) -> float:
+    """Seconds the measurement under way has taken (`measure`), its first calls (compilation)
+    left out. Taken after the probes (link, gradient): what every measurement costs, which
+    sets the cadence (`probe_interval`); a form's step timed on a copy (the first measurement,
+    a link that moved) is a one-off."""
+    return time.perf_counter() - self._start - sum(self._untimed)
 
   def _timed_steps(self, step: int, link: Link, probe_s: float, state: Any,
                    batch: Sequence[jax.Array]) -> tuple[str, dict[str, float], str, Link]:
@@ -617,21 +648,32 @@ class AutoExchange:
     no such window exists (at the first measurement both forms'); each figure the slowest
     process's. Each form's step less its modelled exchange is kept for `predict`."""
     observed = self._observe(step, state)
+    self._start = time.perf_counter()  # (the window's steps waited for are the run's, not ours)
+    self._untimed = []
     # (the guide is the same on every process: fitted from the slowest times)
-    read, self._link, link_s = _probe_link(self.setup.mesh, self.shard, self._link)
+    read, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
+    reread = ""
+    if any(self._stale(form, read) for form in self._rest):  # read again before timing a form
+      again, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link,
+                                         self._untimed)
+      reread = (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
+                f"{8e-6 * again.bytes_per_s:.3g} Mbit/s), the faster kept")
+      read = faster(read, again, 4 * self.shard)
     if self._select_s is None:  # one untimed call of each (compilation), then the fewest
+      t0 = time.perf_counter()
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
       jax.block_until_ready(self._gradient(state, *batch))
-    t0 = time.perf_counter()
+      self._untimed.append(time.perf_counter() - t0)
     spread = float(jax.device_get(self._gradient(state, *batch)))
-    probe_s = link_s + time.perf_counter() - t0
+    probe_s = self._spent()  # (what every measurement costs; a form timed is a one-off)
     got = observed and self._observed_steps(step, observed, read, probe_s, state, batch)
     if got:
       form, steps, how, link = got
     else:  # (no window, or one at a warm-up level far from the final density)
       observed = None
       form, steps, how, link = self._timed_steps(step, read, probe_s, state, batch)
+    how += reread
     if link != read:
       how += f"; the probes' link, {8e-6 * read.bytes_per_s:.3g} Mbit/s, raised to fit the steps"
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
@@ -703,7 +745,8 @@ class AutoExchange:
                    factor_from=("auto.step_factor" if a.step_factor else
                                 "lag" if factor > a.min_step_factor else "auto.min_step_factor"),
                    probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]),
-                   measure_ms=1e3 * (time.perf_counter() - t0))
+                   measure_ms=1e3 * (time.perf_counter() - self._start),
+                   waited_ms=1e3 * (self._start - t0))
       if trial:  # measured again once the trial's steps have run
         entry.update(trial=trial, next_step=step + 1 + self.TRIAL_STEPS)
     self.history.append(entry)

@@ -15,10 +15,12 @@ Systems, `<algorithm>-<density>[-mc][-<k rule>]`:
   dense                  the uncompressed all-reduce;
   allgather-D, gtopk-D   the sparse exchange at density D (k = D x n per worker);
   -mc                    with DGC's momentum correction (unmasked, as the study's SGD systems);
+  -mcm                   with the correction and DGC's momentum masking;
   -bytes                 gTop-k with k raised so that a worker sends what TopK all-gather at
                          density D sends at this P (`comm.wire_bytes`; capped at density 1);
   -sqrtP, -P             gTop-k's global k grown with the worker count: k x sqrt(P/2), k x P/2
-                         (equal to D at 2 workers, where all-gather applies 2k values).
+                         (equal to D at 2 workers, where all-gather applies 2k values);
+  -w<factor>             the task's density warm-up (DGC's) `factor` times as long.
 Each worker count's runs go seed by seed, each in its own folder under `--workdir`
 (`<task>/P<p>/<system>/seed<s>`); a finished run is read, not repeated. The table: per system and
 P, the steps to the target and the final metric (min / median / max over seeds), and the median
@@ -45,7 +47,7 @@ import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 from sparsejax import comm  # noqa: E402
 from sparsejax.bench import (  # noqa: E402
@@ -57,26 +59,43 @@ from sparsejax.bench import (  # noqa: E402
   write_results,
 )
 
-SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mc)?(?:-(bytes|sqrtP|P))?$")
+SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mcm|-mc)?(?:-(bytes|sqrtP|P))?"
+                    r"(?:-w([0-9.]+))?$")
 
 
-def parse_system(name: str) -> tuple[str, float, bool, str]:
-  """(algorithm, density, momentum correction, k rule) of a system's name; a clear error for a
-  name that does not follow `<algorithm>-<density>[-mc][-<k rule>]`."""
+class System(NamedTuple):
+  """A system's name read: `<algorithm>-<density>[-mc|-mcm][-<k rule>][-w<factor>]`."""
+
+  algorithm: str
+  density: float
+  mc: bool  # DGC's momentum correction
+  rule: str  # gTop-k's k rule: "", "bytes", "sqrtP" or "P"
+  masking: bool = False  # -mcm: the correction with DGC's momentum masking
+  warmup: float = 1.0  # -w<factor>: the task's density warm-up this many times as long
+
+
+def parse_system(name: str) -> System:
+  """The parts of a system's name; a clear error for a name that does not follow
+  `<algorithm>-<density>[-mc|-mcm][-<k rule>][-w<factor>]`."""
   m = SYSTEM.match(name)
   if not m or (m.group(1) == "dense") != (m.group(2) is None) or (
       m.group(4) and m.group(1) != "gtopk"):
-    raise ValueError(f"system {name!r}: expected dense or <allgather|gtopk>-<density>[-mc], "
-                     "gtopk with an optional -bytes, -sqrtP or -P")
+    raise ValueError(f"system {name!r}: expected dense or <allgather|gtopk>-<density>"
+                     "[-mc|-mcm][-w<factor>], gtopk with an optional -bytes, -sqrtP or -P "
+                     "before -w")
   density = float(m.group(2) or 1.0)
   if not 0 < density <= 1:
     raise ValueError(f"system {name!r}: density {density} is not in (0, 1]")
-  return m.group(1), density, bool(m.group(3)), m.group(4) or ""
+  warmup = float(m.group(5) or 1.0)
+  if not warmup > 0:
+    raise ValueError(f"system {name!r}: warm-up factor {warmup} is not > 0")
+  return System(m.group(1), density, bool(m.group(3)), m.group(4) or "",
+                m.group(3) == "-mcm", warmup)
 
 
 def density_at(name: str, workers: int, n: int) -> float:
   """The density system `name` runs at with `workers` workers and an n-value gradient."""
-  algorithm, density, _, rule = parse_system(name)
+  algorithm, density, _, rule, *_ = parse_system(name)
   if rule == "bytes":  # gTop-k's k that sends what all-gather's k sends
     k = max(1, round(density * n))
     want = comm.wire_bytes("allgather", n=n, k=k, nodes=workers, local=1)["inter"]
@@ -92,16 +111,18 @@ def density_at(name: str, workers: int, n: int) -> float:
 def run_config(config_path: str, sets: list[str], name: str, workers: int, seed: int, n: int):
   """The task's config for one run: `workers` nodes of one worker, the system's exchange."""
   from sparsejax.train import config as config_lib
-  algorithm, _, mc, _ = parse_system(name)
+  system = parse_system(name)
   overrides = [*sets, f"mesh.nodes={workers}", "mesh.local=1", f"mesh.num_devices={workers}",
-               f"compression.algorithm={algorithm}", f"seed={seed}",
+               f"compression.algorithm={system.algorithm}", f"seed={seed}",
                "checkpoint_every_steps=0"]
-  if algorithm != "dense":
+  if system.algorithm != "dense":
     overrides.append(f"compression.density={density_at(name, workers, n):.6g}")
-    if mc:
+    if system.mc:
       overrides += ["compression.momentum_correction=True",
-                    "experimental.momentum_masking=False"]
+                    f"experimental.momentum_masking={system.masking}"]
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), overrides)
+  if system.warmup != 1.0:
+    tree["compression"]["warmup_epochs"] *= system.warmup
   return config_lib.validate(tree)
 
 
@@ -157,7 +178,7 @@ def analyse(runs: list[dict[str, Any]], systems: list[str], workers: list[int]
              "reached": sum(s is not None for s in steps),
              "final": [r["final"] for r in group],
              "bytes_per_step": statistics.fmean(r["bytes_sent_per_step"] for r in group)}
-      algorithm, density, mc, _ = parse_system(name)
+      algorithm, density, mc, *_ = parse_system(name)
       ref = f"allgather-{density:g}{'-mc' if mc else ''}"
       base = [r for r in runs if r["workers"] == p and r["system"] == ref]
       if algorithm == "gtopk" and base and row["reached"] == len(group):
