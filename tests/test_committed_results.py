@@ -1,6 +1,7 @@
 """Every committed study result analyses again, from its JSON alone, to the table committed
-beside it: the time-to-accuracy study's (`analysis.report`) and auto's end-to-end results
-(`end_to_end.py --from-results`, with the arguments their command recorded)."""
+beside it: the time-to-accuracy study's (`analysis.report`), auto's end-to-end results
+(`end_to_end.py --from-results`, with the arguments their command recorded) and the worker
+scaling study's (each script's `--from-results`)."""
 
 import glob
 import json
@@ -13,6 +14,8 @@ from sparsejax.bench import ROOT
 from studies.auto import end_to_end
 from studies.convergence import run as convergence
 from studies.time_to_accuracy import analysis, systems
+from studies.worker_scaling import applied, at_nodes
+from studies.worker_scaling import run as worker_scaling
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
 pytestmark = pytest.mark.integration
@@ -54,6 +57,17 @@ def test_an_auto_result_is_judged_again_to_its_table(name, tmp_path, monkeypatch
   if "reference" in meta:  # (a reference outside the checkout recorded as $REFERENCE)
     argv[argv.index("--reference") + 1] = meta["reference"]
   assert end_to_end.main([*argv, "--from-results", name]) == 0
+  _same_table(out, name)
+
+
+@pytest.mark.parametrize("name", _committed("studies/worker_scaling/results/*.json"))
+def test_a_worker_scaling_result_writes_its_table_again(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  base = os.path.basename(name)
+  study = (applied if base.startswith("applied") else at_nodes if base.startswith("at_nodes")
+           else worker_scaling)
+  out = str(tmp_path / base)
+  assert study.main(["--from-results", name, "--out", out]) == 0
   _same_table(out, name)
 
 

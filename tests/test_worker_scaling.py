@@ -4,9 +4,11 @@ themselves are the study's; a two-worker run is in the integration tier)."""
 import json
 import os
 
+import numpy as np
 import pytest
 
-from sparsejax import comm
+from sparsejax import comm, cost
+from studies.worker_scaling import applied, at_nodes
 from studies.worker_scaling import run as ws
 
 N = 1_863_690  # the Fashion-MNIST MLP's parameters
@@ -68,3 +70,110 @@ def test_the_table_compares_gtopk_with_allgather_at_the_same_workers(tmp_path):
   assert rows["gtopk-0.04-mc"]["reached"] == 1 and "steps_over_allgather" not in rows[
       "gtopk-0.04-mc"]  # (no all-gather at 0.04, and a seed that never reached the target)
   assert "| gtopk-0.01-mc | 16 |" in (tmp_path / "o.md").read_text()
+
+
+# ----------------------------------------------------------------------------- at_nodes
+
+@pytest.mark.parametrize("text, bits", [("unlimited", float("inf")), ("10gbit", 1e10),
+                                        ("100mbit", 1e8), ("2.5Gbit", 2.5e9)])
+def test_a_bandwidth_reads_as_bits_per_second(text, bits):
+  assert at_nodes.parse_bandwidth(text) == bits
+
+
+@pytest.mark.parametrize("bad", ["fast", "0mbit", "-1gbit", "10kbit", "mbit"])
+def test_a_bad_bandwidth_is_named(bad):
+  with pytest.raises(ValueError, match=f"bandwidth '{bad}'"):
+    at_nodes.parse_bandwidth(bad)
+
+
+def _at_nodes_results(links):
+  n = 10_007
+  systems = [
+      {"system": "dense", "algorithm": "dense", "density": 1.0, "steps_to_target": 100,
+       "final": 0.88},
+      {"system": "allgather-0.01-mc", "algorithm": "allgather", "density": 0.01,
+       "steps_to_target": 110, "final": 0.88},
+      {"system": "gtopk-0.01-mc", "algorithm": "gtopk", "density": 0.01,
+       "steps_to_target": 300, "final": 0.87},
+      {"system": "gtopk-0.04-mc", "algorithm": "gtopk", "density": 0.04,
+       "steps_to_target": None, "final": 0.80}]
+  local = [{"batch": 16, "dense_s": d, "sparse_s": {"allgather:100": 0.001, "gtopk:100": 0.0005,
+                                                    "gtopk:400": 0.002}}
+           for d in (0.004, 0.005, 0.006)]
+  meta = {"nodes": 16, "parameters": n, "bandwidths": links, "config": "configs/x.py",
+          "scaling": "s.json", "calibration": at_nodes.CALIBRATION, "alpha_s": 0.001,
+          "seeds": 3, "command": "python studies/worker_scaling/at_nodes.py", "machine": "x",
+          "cpus": 2, "date": "today"}
+  return {"meta": meta, "systems": systems, "local": local}
+
+
+def test_time_at_nodes_is_steps_times_the_local_and_the_modelled_step():
+  calibration = {"params": {"alpha_s": 0.001, "swap_factor": 1.3, "odd_swap_factor": 1.6,
+                            "merge_s_per_pair": 2e-7}, "link_overhead": 1.03}
+  results = _at_nodes_results(["unlimited", "100mbit"])
+  rows = at_nodes.analyse(results, calibration)
+  assert len(rows) == 8
+  by = {(r["link"], r["system"]): r for r in rows}
+  cl = at_nodes.cluster(calibration, 16, 1e8)
+  g = by["100mbit", "gtopk-0.01-mc"]
+  assert g["network_s"] == pytest.approx(cost.network_time("gtopk", 10_007, 0.01, cl))
+  assert g["local_s"] == pytest.approx(0.005 + 0.0005)  # the medians
+  assert g["time_s"] == pytest.approx(300 * g["step_s"])
+  assert by["100mbit", "gtopk-0.04-mc"]["time_s"] is None  # a seed never reached the target
+  dense = by["100mbit", "dense"]
+  assert dense["R"] == pytest.approx(cost.network_time("dense", 10_007, 1.0, cl) / 0.005)
+  for link in ("unlimited", "100mbit"):  # the rule: the least time to the target
+    group = [r for r in rows if r["link"] == link]
+    picked = [r for r in group if r["picked"]]
+    assert len(picked) == 1 and picked[0]["time_s"] == min(
+        r["time_s"] for r in group if r["time_s"] is not None)
+    assert group[0]["best_gtopk_over_allgather"] == pytest.approx(
+        by[link, "allgather-0.01-mc"]["time_s"] / by[link, "gtopk-0.01-mc"]["time_s"])
+
+
+def test_time_at_nodes_writes_its_table_again(tmp_path):
+  results = _at_nodes_results(["unlimited", "1gbit"])
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(results))
+  assert at_nodes.main(["--from-results", str(path), "--out", str(tmp_path / "o.json")]) == 0
+  text = (tmp_path / "o.md").read_text()
+  assert "| 1gbit |" in text and "| gtopk-0.04-mc | 0.04 | never |" in text
+
+
+def test_dense_steps_come_from_the_fewest_workers_where_it_did_not_run_at_p():
+  scaling = {"rows": [
+      {"system": "dense", "workers": 2, "density": 1.0, "steps_to_target": [140, 144, 150],
+       "final": [0.88, 0.88, 0.89]},
+      {"system": "dense", "workers": 4, "density": 1.0, "steps_to_target": [1, 1, 1],
+       "final": [0.1, 0.1, 0.1]},
+      {"system": "allgather-0.01-mc", "workers": 16, "density": 0.01,
+       "steps_to_target": [108, None, 120], "final": [0.88, 0.84, 0.88]}]}
+  systems = {s["system"]: s for s in at_nodes.systems_at(scaling, 16)}
+  assert systems["dense"]["steps_to_target"] == 144 and systems["dense"]["from_workers"] == 2
+  assert systems["allgather-0.01-mc"]["steps_to_target"] is None  # a seed never reached it
+  with pytest.raises(ValueError, match="no runs at 8 workers"):
+    at_nodes.systems_at(scaling, 8)
+
+
+# ----------------------------------------------------------------------------- applied
+
+def test_what_one_exchange_applies_against_a_direct_count():
+  rng = np.random.default_rng(7)
+  p, n, k = 5, 1_003, 17
+  grads = rng.standard_normal((p, n)).astype(np.float32)
+  g = grads.mean(0)
+  everything = np.arange(n)
+  rows = applied.applied(grads, k, {"gtopk": rng.choice(n, k, replace=False),
+                                    "all": np.concatenate([everything, [n, n]])})
+  union = set()
+  update = np.zeros(n)
+  for i in range(p):
+    top = sorted(range(n), key=lambda j: -abs(grads[i, j]))[:k]
+    union |= set(top)
+    update[top] += grads[i, top] / p
+  assert rows["allgather"]["applied_over_k"] == pytest.approx(len(union) / k)
+  assert rows["allgather"]["share"] == pytest.approx(update @ g / (g @ g), rel=1e-5)
+  assert rows["gtopk"]["applied_over_k"] == 1.0
+  # every position, the "no pair" marker (n) left out: the whole gradient
+  assert rows["all"]["applied_over_k"] == pytest.approx(n / k)
+  assert rows["all"]["share"] == pytest.approx(1.0)

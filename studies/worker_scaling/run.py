@@ -135,12 +135,16 @@ def _finished(workdir: str) -> dict[str, Any] | None:
   return None if summary.get("interrupted") or not summary.get("final_eval") else summary
 
 
-def run_one(args, task: str, name: str, workers: int, seed: int, n: int) -> dict[str, Any]:
-  """Trains one run, or reads it where it finished; its record."""
+def run_one(args, task: str, name: str, workers: int, seed: int, n: int
+            ) -> dict[str, Any] | None:
+  """Trains one run, or reads it where it finished; its record (None: not finished and
+  `--finished-only`)."""
   from sparsejax.train.loop import train_and_evaluate
   workdir = os.path.join(args.workdir, task, f"P{workers}", name, f"seed{seed}")
   config = run_config(args.config, args.sets, name, workers, seed, n)
   summary = _finished(workdir)
+  if summary is None and args.finished_only:
+    return None
   if summary is None:
     t0 = time.time()
     summary = train_and_evaluate(config, workdir, progress=False)
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--workdir", default=os.path.join("runs", "worker_scaling"))
   ap.add_argument("--out", type=json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON", help="no runs: the table again")
+  ap.add_argument("--finished-only", action="store_true",
+                  help="train nothing: the runs already finished under --workdir (a row then "
+                       "says how many seeds it has)")
   args = ap.parse_args(argv)
   if not args.config and not args.from_results:
     ap.error("--config is required (or --from-results)")
@@ -264,8 +271,9 @@ def collect(ap, args, argv: list[str]) -> dict[str, Any]:
       "runs": []}
   for p in workers:
     if workers == [MAX_WORKERS]:  # this process has the devices: the runs here, seed by seed
-      results["runs"] += [run_one(args, task, name, p, seed, n)
-                          for seed in range(args.seeds) for name in systems]
+      runs = [run_one(args, task, name, p, seed, n)
+              for seed in range(args.seeds) for name in systems]
+      results["runs"] += [r for r in runs if r is not None]
     else:  # a process of its own with P CPU devices (a mesh takes every device there is)
       results["runs"] += runs_in_child(args, p)
   return results
@@ -279,7 +287,8 @@ def runs_in_child(args, workers: int) -> list[dict[str, Any]]:
     out = os.path.join(tmp, "runs.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
            *(f"--set={s}" for s in args.sets), "--workers", str(workers), "--systems",
-           args.systems, "--seeds", str(args.seeds), "--workdir", args.workdir, "--out", out]
+           args.systems, "--seeds", str(args.seeds), "--workdir", args.workdir, "--out", out,
+           *(["--finished-only"] if args.finished_only else [])]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run(cmd, check=True, env={**env, "SPARSEJAX_MAX_WORKERS": str(workers)})
     with open(out) as f:
