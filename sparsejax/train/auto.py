@@ -62,7 +62,7 @@ from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
 __all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "with_run_costs",
-           "fit_in_steps",
+           "fit_in_steps", "faster",
            "lag_steps", "step_factor", "choose", "probe_interval", "scheduled", "measuring",
            "AutoExchange", "FORMS"]
 

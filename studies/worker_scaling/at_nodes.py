@@ -35,6 +35,7 @@ if ROOT not in sys.path:  # run as `python studies/worker_scaling/at_nodes.py`: 
   sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -129,7 +130,7 @@ def measure_local(config_path: str, sets: list[str], nodes: int, n: int,
       times.append(time.perf_counter() - t0)
     return min(times)
 
-  step = iter(range(10**9))
+  step = itertools.count()
   out = {"batch": batch, "dense_s": fewest(lambda: run.step(next(step) % run.total, wait=True)),
          "sparse_s": {}}
   rng = np.random.default_rng(0)
