@@ -177,10 +177,11 @@ def choose(step_s: dict[str, float], step_factor: float, current: str | None,
            margin: float) -> str:
   """The form with the shorter predicted time to the target (the sparse step times
   `step_factor`: `step_factor(lag, remaining)`, or the user's `auto.step_factor`), the `current`
-  one unless the other is faster by more than `margin`."""
+  one (before the first choice: dense) unless the other is faster by more than `margin`."""
   to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * step_factor}
   best = min(FORMS, key=lambda f: to_target[f])
-  if current is None or best == current:
+  current = current or "dense"  # (a close call at the start: the form that costs no steps)
+  if best == current:
     return best
   return best if to_target[best] < (1.0 - margin) * to_target[current] else current
 
@@ -653,7 +654,10 @@ class AutoExchange:
     # (the guide is the same on every process: fitted from the slowest times)
     read, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
     reread = ""
-    if any(self._stale(form, read) for form in self._rest):  # read again before timing a form
+    # read again before timing a form: at the first measurement (nothing to check a read
+    # against: one CI run's in-process link read 0.8 Mbit/s at step 0 and auto started sparse)
+    # and where a form's rest was taken at a link far from this read
+    if not self._rest or any(self._stale(form, read) for form in self._rest):
       again, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link,
                                          self._untimed)
       reread = (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
