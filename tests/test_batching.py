@@ -63,3 +63,27 @@ def test_every_kind_of_input_fits_the_one_protocol():
     weights = [w for _, _, w in data.eval_batches(None)]
     assert sum(w.sum() for w in weights) == (13 if data is kinds[0] else 5)
   assert not isinstance(object(), Inputs)
+
+
+def test_crop_flip_is_a_padded_crop_of_each_image_drawn_the_same_for_a_seed_and_step():
+  """Each augmented image is one of the (2p+1)^2 crops of its zero-padded image, flipped or not
+  (found by search, not by the draw); about half are flipped; a (seed, step) draws the same."""
+  from sparsejax.data import small
+  x = np.random.default_rng(5).normal(size=(203, 13, 11, 2)).astype(np.float32)
+  out = small.augment(x, "crop_flip", seed=3, step=17)
+  assert out.shape == x.shape and out.dtype == x.dtype
+  padded = np.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
+  flipped, moved = 0, 0
+  for i in range(len(x)):
+    found = [(dy, dx, f) for dy in range(5) for dx in range(5) for f in (False, True)
+             if np.array_equal(out[i], (lambda c: c[:, ::-1] if f else c)(
+                 padded[i, dy:dy + 13, dx:dx + 11]))]
+    assert found, i
+    flipped += found[0][2]
+    moved += (found[0][0], found[0][1]) != (2, 2)
+  assert 70 < flipped < 133 and moved > 150, (flipped, moved)
+  np.testing.assert_array_equal(out, small.augment(x, "crop_flip", seed=3, step=17))
+  assert not np.array_equal(out, small.augment(x, "crop_flip", seed=3, step=18))
+  assert small.augment(x, "", seed=3, step=17) is x
+  with pytest.raises(ValueError, match="unknown augmentation 'flip'.*crop_flip"):
+    small.augment(x, "flip", seed=3, step=17)

@@ -66,8 +66,9 @@ class InMemoryInputs:
   holds all of it and builds the same global batches; each returns its own rows."""
 
   def __init__(self, train: small.ArrayDataset, test: small.ArrayDataset, batch_size: int,
-               seed: int):
+               seed: int, augment: str = ""):
     self.train, self.test, self.batch_size = train, test, batch_size
+    self.seed, self.augment = seed, augment
     self.batcher = small.EpochBatcher(train, batch_size, seed)
     self.num_classes = train.num_classes
     self.steps_per_epoch = self.batcher.steps_per_epoch
@@ -80,6 +81,7 @@ class InMemoryInputs:
 
   def train_batch(self, step, size):
     images, labels = self.batcher.batch(step)
+    images = small.augment(images, self.augment, self.seed, step)  # (the global batch's draw)
     images, labels = images[self.rows], labels[self.rows]
     return (images if size is None else small.resize(images, size)), labels
 
@@ -224,4 +226,4 @@ def open_inputs(config: Any) -> Inputs:
     known = sorted([*small.DATASETS, "imagenet2012", *TEXT_DATASETS, *TRANSLATION_DATASETS])
     raise ValueError(f"unknown dataset {config.data.name!r}; allowed: {known}")
   train, test = small.load(config.data.name, seed=config.seed, path=config.data.path)
-  return InMemoryInputs(train, test, config.batch_size, config.seed)
+  return InMemoryInputs(train, test, config.batch_size, config.seed, config.data.augment)

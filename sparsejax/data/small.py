@@ -16,7 +16,10 @@ import numpy as np
 from sparsejax.data import idx
 from sparsejax.data.batching import ArrayDataset, EpochBatcher, eval_batches
 
-__all__ = ["ArrayDataset", "EpochBatcher", "digits", "mnist", "eval_batches", "load", "resize"]
+__all__ = ["ArrayDataset", "EpochBatcher", "AUGMENTS", "augment", "digits", "mnist", "eval_batches",
+           "load", "resize"]
+
+AUGMENTS = ("", "crop_flip")
 
 
 def digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, ArrayDataset]:
@@ -99,6 +102,27 @@ def load(name: str, seed: int = 0, path: str = "") -> tuple[ArrayDataset, ArrayD
   if name not in DATASETS:
     raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
   return DATASETS[name](seed, path)
+
+
+def augment(images: np.ndarray, kind: str, seed: int, step: int, pad: int = 2) -> np.ndarray:
+  """Training images (NHWC) with `kind`'s augmentation, the same for a (seed, step) on every
+  process and in the PyTorch peer: "" none; "crop_flip" the usual small-image one (CIFAR's and
+  Fashion-MNIST's): each image zero-padded by `pad` pixels a side, a random crop of its own size,
+  and a left-right flip with p = 1/2."""
+  if kind not in AUGMENTS:
+    raise ValueError(f"unknown augmentation {kind!r}; allowed: {list(AUGMENTS)}")
+  if not kind:
+    return images
+  rng = np.random.default_rng([seed, step])
+  b, h, w = images.shape[:3]
+  padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+  dy, dx = rng.integers(0, 2 * pad + 1, size=(2, b))
+  flip = rng.random(b) < 0.5
+  out = np.empty_like(images)
+  for i in range(b):
+    crop = padded[i, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+    out[i] = crop[:, ::-1] if flip[i] else crop
+  return out
 
 
 def resize(images: np.ndarray, size: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from sparsejax import comm
+from sparsejax.data import small
 
 __all__ = ["default_config", "validate", "apply_overrides", "load_config", "TARGET_METRICS",
            "target_reached", "RENAMED", "RECIPES"]
@@ -77,6 +78,9 @@ def _data_defaults() -> ml_collections.ConfigDict:
   # stages of at most this size read images pre-decoded at 1.25x their size (no JPEG decoding).
   return ml_collections.ConfigDict({
       "name": "digits", "path": "", "resize_schedule": (),
+      # the in-memory image sets' training augmentation: "" | "crop_flip" (2-pixel pad, random
+      # crop, left-right flip; sparsejax.data.small.augment)
+      "augment": "",
       "cache_dir": "", "memory_cache_bytes": 1 << 30, "disk_cache_bytes": 100 << 30,
       "workers": 0, "threads": 8, "eval_split": "validation", "decoded_max_size": 160,
       # text (kjv, text): sequence length and BPE vocabulary (tokenizer cached under
@@ -323,6 +327,8 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.data.threads >= 1, "data.threads", ">= 1")
   need(c.data.decoded_max_size >= 0, "data.decoded_max_size", ">= 0")
   need(c.data.seq_len >= 1, "data.seq_len", ">= 1")
+  need(c.data.augment in small.AUGMENTS, "data.augment",
+       f"one of {', '.join(repr(a) for a in small.AUGMENTS)}")
   need(c.data.vocab_size >= 8, "data.vocab_size", ">= 8")
   need(c.keep_checkpoints >= 1, "keep_checkpoints", ">= 1")
   need(c.target_metric in TARGET_METRICS, "target_metric",

@@ -307,8 +307,8 @@ def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
   """The steps where a resize stage ends, when the config evaluates there."""
   if not config.eval_at_stage_boundaries:
     return set()
-  stages = schedules.resize_stages(config.data.resize_schedule, config.num_epochs)
-  return {round(start * steps_per_epoch) for start, _, _ in stages[1:]}
+  return set(schedules.stage_starts(config.data.resize_schedule, config.num_epochs,
+                                    steps_per_epoch))
 
 
 class _PerLevel:

@@ -61,6 +61,20 @@ def resize_stages(resize_schedule, total_epochs: float) -> list[tuple[float, flo
   return [(start, end, size) for (start, size), end in zip(stages, ends) if start < total_epochs]
 
 
+def stage_starts(resize_schedule, total_epochs: float, steps_per_epoch: int) -> list[int]:
+  """The first step of each resize stage after the first: the first step whose epoch
+  (step / steps_per_epoch) reaches the stage's start, as `image_size` reads it."""
+  starts = []
+  for start, _, _ in resize_stages(resize_schedule, total_epochs)[1:]:
+    step = math.ceil(start * steps_per_epoch)
+    while step > 0 and (step - 1) / steps_per_epoch >= start:  # (float rounding either way)
+      step -= 1
+    while step / steps_per_epoch < start:
+      step += 1
+    starts.append(step)
+  return starts
+
+
 def image_size(resize_schedule, epoch: float) -> int | None:
   """The image size of `epoch` (None without a schedule)."""
   size = None
