@@ -152,6 +152,43 @@ def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
   assert tta_systems.level_steps(fixed, 457, 90) == [[1.0, 0], [0.05, 60]]
 
 
+def test_with_progressive_resizing_a_level_is_a_density_at_an_image_size():
+  """The CNN task's config: the DGC warm-up's densities within the first stage, then the final
+  density at each of the three sizes; the steps to a target counted per (density, size); and
+  the time to target from the step time swept at each (density, size)."""
+  cnn = os.path.join(os.path.dirname(CONFIG), "tta_fmnist_resnet.py")
+  config = tta_systems.load_task(cnn, [], "hitopk-0.001")
+  spe, total = 235, 470
+  sizes = tta_systems.size_per_step(config, spe, total)
+  assert [sizes[0], sizes[219], sizes[-1]] == [20, 24, 28]
+  levels = tta_systems.level_steps(config, spe, total)
+  assert [lv[2] for lv in levels if lv[0] == 0.001] == [20, 24, 28]
+  assert all(lv[2] == 20 for lv in levels if lv[0] != 0.001)  # (the warm-up: the first stage)
+  assert [sizes[lv[1]] for lv in levels] == [lv[2] for lv in levels]
+  dens = tta_systems.density_per_step(config, spe, total)
+  for lv in levels:
+    assert dens[lv[1]] == lv[0] and (lv[1] == 0 or (dens[lv[1] - 1], sizes[lv[1] - 1]) != (
+        lv[0], lv[2]))
+  counted = tta_systems.levels_to(config, spe, total, 300)
+  assert sum(n for *_, n in counted) == 300
+  assert {(d, size) for d, size, _ in counted} == {
+      (float(d), s) for d, s in zip(dens[:300], sizes[:300])}
+  dense = tta_systems.load_task(cnn, [], "dense")
+  first = -(-spe * 2 * 13 // 28)  # the first step of epoch 2 x 13/28 and on: 219
+  assert tta_systems.levels_to(dense, spe, total, 300) == [[1.0, 20, first],
+                                                           [1.0, 24, 300 - first]]
+  results = {
+      "systems": ["dense"], "meta": {"headline": "1gbit"},
+      "train": [{"system": "dense", "seed": 0, "levels_to_target": [[1.0, 12, 217],
+                                                                    [1.0, 22, 83]],
+                 "curve": [{"step": 300, "train_time_s": 40.0, "node0_link_bytes": 5,
+                            "accuracy": 0.9}]}],
+      "sweep": [{"system": "dense", "bandwidth": "1gbit", "density": 1.0, "size": size,
+                 "step_s": t} for size, t in ((12, 0.05), (12, 0.07), (22, 0.2), (22, 0.3))]}
+  a = tta_analysis.analyse(results, target=0.85)["dense"]
+  assert a["predicted_time_to_target_s"]["1gbit"] == [pytest.approx(217 * 0.06 + 83 * 0.25)]
+
+
 def test_analysis_sums_steps_per_level_times_median_step_time():
   results = {
       "systems": ["hitopk-0.01"], "meta": {"headline": "1gbit"},
@@ -295,3 +332,33 @@ def test_a_pipelined_system_is_paired_with_its_unpipelined_twin():
   assert tta_analysis.unpipelined("dense-pipe-l+optimizer.b1=0.8") == "dense+optimizer.b1=0.8"
   assert tta_analysis.unpipelined("hitopk-0.05-pipe-l") == "hitopk-0.05"
   assert tta_analysis.unpipelined("dense-pipe-f0.25") == "dense"
+
+
+def test_both_runners_train_a_resnet_through_its_resize_stages_and_evaluate_at_the_last_size():
+  """The CNN task's path on digits (8 x 8): JaxRun compiles a step per (density level, image
+  size) before the clock, and it and the PyTorch peer train each step at its epoch's size and
+  evaluate at the size of the last step taken; the sweep's `level_step` holds a level's size."""
+  pytest.importorskip("torch", reason=f"needs PyTorch: {tta_systems.PEERS_INSTALL}")
+  from sparsejax.train.config import default_config, validate
+  from studies.time_to_accuracy.jax_runner import JaxRun
+  from studies.time_to_accuracy.torch_peer import TorchRun
+  config = default_config()
+  config.model.name, config.model.num_filters = "resnet20", 4
+  config.data.name, config.data.resize_schedule = "digits", ((0, 6), (0.1, 8))
+  config.batch_size, config.num_epochs, config.label_smoothing = 32, 0.2, 0.1
+  config.optimizer.name, config.optimizer.learning_rate = "lars", 2.0
+  config.mesh.nodes, config.mesh.local = 1, 8  # (the test process's 8 CPU devices)
+  validate(config)
+  runs = [JaxRun(config, (1, 8)), TorchRun(config, 0, 1, False, distributed=False)]
+  jax_run, torch_run = runs
+  assert jax_run.total == 9 and jax_run.sizes == [6] * 5 + [8] * 4 == torch_run.sizes
+  assert {size for _, size in jax_run.step_fns} == {6, 8}
+  for run in runs:
+    run.step(7, level_step=2)  # (the sweep: batch 7 at step 2's size)
+    assert run.size == 6
+    for step in range(run.total):
+      run.step(step)
+      run.wait()
+      assert run.size == run.sizes[step]
+    metrics = run.evaluate()
+    assert run.size == 8 and 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])

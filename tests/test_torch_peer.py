@@ -1,6 +1,6 @@
-"""studies/time_to_accuracy/torch_peer.py: the PyTorch Transformer LM is sparsejax's (same
-parameters give the same logits and gradients; the same initialisation), and its AdamW is optax's
-with the trainer's decay mask."""
+"""studies/time_to_accuracy/torch_peer.py: the PyTorch Transformer LM and ResNet are
+sparsejax's (same parameters give the same logits and gradients; the same initialisation), and
+its AdamW and LARS are optax's with the trainer's decay mask."""
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +135,121 @@ def test_the_pytorch_adamw_is_optax_adamw_with_the_decay_mask():
 def test_the_peer_refuses_what_it_cannot_build():
   cfg = type("C", (), {})()
   cfg.model = type("M", (), {"name": "resnet50", "dropout": 0.0})()
-  with pytest.raises(ValueError, match="'mlp' and 'transformer_lm', got 'resnet50'"):
+  with pytest.raises(ValueError, match="'resnet20', got 'resnet50'"):
     torch_peer.build_model(cfg, None)
   cfg.model = type("M", (), {"name": "transformer_lm", "dropout": 0.1})()
   with pytest.raises(ValueError, match="model.dropout=0.0"):
     torch_peer.build_model(cfg, None)
   o = type("O", (), {"name": "lamb"})()
-  with pytest.raises(ValueError, match="'sgd' and 'adamw', got 'lamb'"):
+  with pytest.raises(ValueError, match="'adamw' and 'lars', got 'lamb'"):
     torch_peer.build_optimizer(torch, torch.nn.Linear(2, 2), o)
+
+
+def _copy_resnet(peer, params, stats) -> None:
+  """flax's ResNet parameters and BatchNorm statistics into the PyTorch twin (kernels HWIO to
+  OIHW)."""
+  def conv(t, p):
+    t.weight.copy_(_t(np.asarray(p["kernel"]).transpose(3, 2, 0, 1)))
+
+  def bn(t, p, s):
+    t.weight.copy_(_t(p["scale"]))
+    t.bias.copy_(_t(p["bias"]))
+    t.running_mean.copy_(_t(s["mean"]))
+    t.running_var.copy_(_t(s["var"]))
+  blocks = sorted((k for k in params if k.startswith("ResNetBlock_")),
+                  key=lambda k: int(k.split("_")[1]))
+  assert len(blocks) == len(peer.blocks)
+  with torch.no_grad():
+    conv(peer.stem[0], params["conv_init"])
+    bn(peer.stem[1], params["bn_init"], stats["bn_init"])
+    for name, block in zip(blocks, peer.blocks):
+      p, s = params[name], stats[name]
+      conv(block.conv1, p["Conv_0"])
+      bn(block.bn1, p["BatchNorm_0"], s["BatchNorm_0"])
+      conv(block.conv2, p["Conv_1"])
+      bn(block.bn2, p["BatchNorm_1"], s["BatchNorm_1"])
+      assert ("proj_conv" in p) == (block.proj is not None), name
+      if block.proj is not None:
+        conv(block.proj[0], p["proj_conv"])
+        bn(block.proj[1], p["proj_bn"], s["proj_bn"])
+    peer.head.weight.copy_(_t(np.asarray(params["head"]["kernel"]).T))
+    peer.head.bias.copy_(_t(params["head"]["bias"]))
+
+
+@pytest.mark.parametrize("name, size, stem", [("resnet20", 23, True), ("resnet18", 29, False)])
+def test_the_pytorch_resnet_is_the_flax_one_in_training_and_in_evaluation(name, size, stem):
+  """Random parameters (BatchNorm's scales too: flax starts each block's last at 0) and
+  statistics: the same logits in training (batch statistics) and in evaluation (running ones),
+  the same gradient of the input, and the same running statistics after a training step, at an
+  odd image size (flax's SAME padding puts the odd pixel low or high by size and stride)."""
+  kwargs = {"num_filters": 8} if name == "resnet18" else {}
+  model = models.build(name, num_classes=7, **kwargs)
+  x = np.random.default_rng(2).standard_normal((5, size, size, 2)).astype(np.float32)
+  variables = model.init(jax.random.key(0), x, train=False)
+  keys = iter(jax.random.split(jax.random.key(1), 1000))
+  params = jax.tree.map(lambda a: a + 0.2 * jax.random.normal(next(keys), a.shape),
+                        variables["params"])
+  stats = jax.tree.map(lambda a: a + 0.1 * jax.random.uniform(next(keys), a.shape),
+                       variables["batch_stats"])
+  peer = torch_peer.torch_resnet(tuple(models.MODELS[name].keywords["stage_sizes"]),
+                                 kwargs.get("num_filters", 16), 7, 2, small_inputs=stem)
+  assert sum(p.numel() for p in peer.parameters()) == sum(
+      v.size for v in jax.tree.leaves(params))
+  _copy_resnet(peer, params, stats)
+  peer.eval()
+  np.testing.assert_allclose(peer(_t(x)).detach().numpy(), np.asarray(model.apply(
+      {"params": params, "batch_stats": stats}, x, train=False)), rtol=1e-4, atol=1e-4)
+  peer.train()
+  xt = _t(x).requires_grad_()
+  logits = peer(xt)
+  (logits ** 2).sum().backward()
+  def loss(x):
+    out, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                           mutable=["batch_stats"])
+    return (out ** 2).sum(), (out, new)
+  (_, (out, new)), dx = jax.value_and_grad(loss, has_aux=True)(x)
+  np.testing.assert_allclose(logits.detach().numpy(), np.asarray(out), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(xt.grad.numpy(), np.asarray(dx), rtol=1e-3, atol=1e-4)
+  # running statistics moved the same way (torch's variance is unbiased: n / (n - 1) apart)
+  n = 5 * (size if stem else -(-size // 2)) ** 2
+  first = (peer.stem[1], new["batch_stats"]["bn_init"])
+  np.testing.assert_allclose(first[0].running_mean.numpy(), np.asarray(first[1]["mean"]),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(first[0].running_var.numpy(), np.asarray(
+      stats["bn_init"]["var"]) * 0.9 + (np.asarray(first[1]["var"]) - 0.9 * np.asarray(
+          stats["bn_init"]["var"])) * n / (n - 1), rtol=1e-4, atol=1e-5)
+
+
+def test_the_pytorch_lars_is_optax_lars_with_the_trainer_masks():
+  """Three steps of the peer's LARS (decay and trust ratio on parameters of 2+ dimensions)
+  equal optax.lars masked by the trainer's `decay_mask`, on fresh gradients, with a changing
+  learning rate; and Nesterov, which it lacks, is refused."""
+  rng = np.random.default_rng(11)
+  params = {"kernel": rng.standard_normal((9, 4, 3)).astype(np.float32),
+            "bias": rng.standard_normal(3).astype(np.float32)}
+  lrs = [2.0, 0.7, 0.3]
+  o = type("O", (), {"name": "lars", "learning_rate": lrs[0], "momentum": 0.9,
+                     "trust_coefficient": 0.01, "weight_decay": 0.05, "nesterov": False})()
+  module = torch.nn.Module()
+  module.kernel = torch.nn.Parameter(torch.from_numpy(params["kernel"].copy()))
+  module.bias = torch.nn.Parameter(torch.from_numpy(params["bias"].copy()))
+  opt = torch_peer.build_optimizer(torch, module, o)
+  step = iter(lrs)
+  tx = optax.lars(lambda _: next(step), weight_decay=0.05, weight_decay_mask=decay_mask,
+                  trust_coefficient=0.01, trust_ratio_mask=decay_mask, momentum=0.9)
+  state = tx.init(params)
+  for lr in lrs:
+    grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    for group in opt.param_groups:
+      group["lr"] = lr
+    module.kernel.grad, module.bias.grad = (torch.from_numpy(grads["kernel"]),
+                                            torch.from_numpy(grads["bias"]))
+    opt.step()
+  np.testing.assert_allclose(module.kernel.detach().numpy(), params["kernel"], rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(module.bias.detach().numpy(), params["bias"], rtol=1e-5, atol=1e-6)
+  o.nesterov = True
+  with pytest.raises(ValueError, match="optimizer.nesterov=False"):
+    torch_peer.build_optimizer(torch, module, o)

@@ -48,7 +48,8 @@ def analyse(results: dict, target: float) -> dict:
     entry = {"seeds": seeds, "final": [s["final"] for s in seeds]}
     by_bw: dict[str, dict] = {}
     for row in (x for x in sweep if x["system"] == system):
-      by_bw.setdefault(row["bandwidth"], {}).setdefault(row["density"], []).append(row["step_s"])
+      level = (row["density"], row.get("size"))  # (a density at an image size)
+      by_bw.setdefault(row["bandwidth"], {}).setdefault(level, []).append(row["step_s"])
     tta = {}
     for bw, per_level in by_bw.items():
       vals = []
@@ -57,8 +58,8 @@ def analyse(results: dict, target: float) -> dict:
           vals.append(None)
           continue
         t = 0.0
-        for density, n in s["levels_to_target"]:
-          t += n * statistics.median(per_level[density])
+        for *level, n in s["levels_to_target"]:  # [density, (size,) steps]
+          t += n * statistics.median(per_level[level[0], level[1] if len(level) > 1 else None])
         vals.append(t)
       tta[bw] = vals
     entry["predicted_time_to_target_s"] = tta

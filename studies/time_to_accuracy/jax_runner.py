@@ -18,7 +18,7 @@ class JaxRun:
     import jax
 
     from sparsejax import data as data_lib
-    from sparsejax.train import pipelined
+    from sparsejax.train import pipelined, schedules
     from sparsejax.train.auto import measuring
     from sparsejax.train.mesh import make_mesh
     from sparsejax.train.state import from_config
@@ -26,11 +26,20 @@ class JaxRun:
     self.config = config
     self.data = data_lib.open_inputs(config)
     self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
+    # progressive resizing: each step's image size (`sparsejax train`'s rule); evaluated at
+    # the size of the last step taken
+    self.sizes = [schedules.image_size(config.data.resize_schedule,
+                                       s / self.data.steps_per_epoch) for s in range(self.total)]
+    self.size = self.sizes[0]
     placement = config.overlap.pipeline
+    if placement and len(set(self.sizes)) > 1:
+      raise ValueError("the study's pipelined runner trains at one image size; got "
+                       f"data.resize_schedule={tuple(config.data.resize_schedule)} with "
+                       f"overlap.pipeline={placement!r}")
     mesh, compute_mesh = (pipelined.meshes(*mesh_shape, placement) if placement
                           else (make_mesh(*mesh_shape), None))
     self.setup, self.state = from_config(config, mesh, self.data.num_classes,
-                                         self.data.example(None),
+                                         self.data.example(self.size),
                                          steps_per_epoch=self.data.steps_per_epoch,
                                          total_steps=self.total)
     first = self.batch(0)
@@ -49,8 +58,12 @@ class JaxRun:
       self.eval_fn = jit_eval_step(self.setup, self.state)
       return
     extra = [self._dense_level(config)] if config.compression.algorithm == "auto" else []
-    self.step_fns = {level: jit_train_step(self.setup, self.state, level).lower(
-        self.state, *first).compile() for level in dict.fromkeys(self.levels + extra)}
+    # (level, image size) -> the step compiled for it
+    self.step_fns = {}
+    for size in dict.fromkeys(self.sizes):
+      batch = first if size == self.size else self.batch(self.sizes.index(size))
+      self.step_fns.update({(level, size): jit_train_step(self.setup, self.state, level).lower(
+          self.state, *batch).compile() for level in dict.fromkeys(self.levels + extra)})
     self.auto = self._auto(config, first)
     self.auto_measures = self.auto is not None and measuring(config)
     self.eval_fn = jit_eval_step(self.setup, self.state)
@@ -70,7 +83,7 @@ class JaxRun:
     auto = AutoExchange(config, self.setup, self.state, sparse_level=self.setup.density_level,
                         dense_level=self._dense_level(config), history=[],
                         steps_per_epoch=self.data.steps_per_epoch, total_steps=self.total,
-                        compiled=self.step_fns.__getitem__)
+                        compiled=lambda level: self.step_fns[level, self.size])
     auto.compile(self.state, first)
     return auto
 
@@ -79,13 +92,18 @@ class JaxRun:
     import contextlib
     return self.auto.paused(self.state) if self.auto is not None else contextlib.nullcontext()
 
-  def batch(self, step: int):
+  def batch(self, step: int, size_step: int | None = None):
+    """Batch `step` at the image size of step `size_step` (default `step`)."""
     from sparsejax.train.state import shard_batch
-    return shard_batch(self.setup.mesh, *self.data.train_batch(step, None))
+    size = self.sizes[min(step if size_step is None else size_step, self.total - 1)]
+    return shard_batch(self.setup.mesh, *self.data.train_batch(step, size))
 
   def step(self, step: int, wait: bool = False, level_step: int | None = None):
-    """One step on batch `step`, at the density level of step `level_step` (default `step`)."""
-    batch = self.batch(step)
+    """One step on batch `step`, at the density level and image size of step `level_step`
+    (default `step`)."""
+    at = step if level_step is None else level_step
+    self.size = self.sizes[min(at, self.total - 1)]
+    batch = self.batch(step, at)
     if self.pipe is not None:
       return self._pipelined_step(step, batch, wait, level_step)
     if self.auto is not None and level_step is None:  # auto measures and chooses (on the clock)
@@ -96,7 +114,7 @@ class JaxRun:
       level = self.auto.level(min(step if level_step is None else level_step, self.total - 1))
     else:
       level = self.levels[min(step if level_step is None else level_step, self.total - 1)]
-    self.state, metrics = self.step_fns[level](self.state, *batch)
+    self.state, metrics = self.step_fns[level, self.size](self.state, *batch)
     if wait:
       self.jax.block_until_ready(self.state)
     return metrics
@@ -155,7 +173,7 @@ class JaxRun:
 
   def evaluate(self) -> dict[str, float]:
     from sparsejax.train.loop import evaluate
-    return evaluate(self.setup, self.eval_fn, self.state, self.data, None)
+    return evaluate(self.setup, self.eval_fn, self.state, self.data, self.size)
 
   def set_step(self, step: int) -> None:
     """Moves the step counters: the train state's (learning rate) and every worker's

@@ -61,8 +61,6 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 if not __package__:  # run as `python studies/time_to_accuracy/run.py`: import from this checkout
@@ -86,8 +84,8 @@ from studies.time_to_accuracy.systems import (  # noqa: E402
   PEERS_INSTALL,
   QUICK_SETS,
   SYSTEMS,
-  density_per_step,
   level_steps,
+  levels_to,
   load_task,
   model_size,
   parse_bandwidths,
@@ -166,8 +164,12 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
   `--link-change RATE@FRACTION` the link changes (lead process, between two barriers, the
   clock stopped) before the step at that fraction of the recipe; with `--stop-at-target` the
   run ends at the first evaluation that reaches the target."""
+  from sparsejax.train import schedules
   from sparsejax.train.config import target_reached
   every = config.eval_every_steps or run.total
+  stage_ends = set(schedules.stage_starts(config.data.resize_schedule, config.num_epochs,
+                                          run.data.steps_per_epoch)
+                   if config.eval_at_stage_boundaries else ())
   change = json.loads(args.link_change) if args and args.link_change else None
   curve, train_s = [], 0.0
   aside = getattr(run, "aside", contextlib.nullcontext)  # what auto leaves out of its steps
@@ -183,7 +185,7 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
       seg = time.perf_counter()
     run.step(step)
     done = step + 1
-    if done % every == 0 or done == run.total:
+    if done % every == 0 or done == run.total or done in stage_ends:
       with aside():  # (off auto's clock too)
         run.wait()
         train_s += time.perf_counter() - seg
@@ -212,13 +214,13 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
   """Step times at every bandwidth (rank 0 changes the link between phases, the others wait at
   a barrier) and at every density level; the link is set back to the headline rate after."""
   bandwidths = json.loads(args.bandwidths) + [["headline", json.loads(args.headline)]]
-  levels = json.loads(args.levels)  # [[density, a step that runs at it], ...]
+  levels = json.loads(args.levels)  # [[density, a step that runs at it(, image size)], ...]
   rows = []
   for name, bps in bandwidths:
     _set_link(run, args, lead, bps)
     if name == "headline":
       break
-    for density, at_step in levels:
+    for density, at_step, *size in levels:
       if isinstance(run, JaxRun):
         run.set_step(at_step)
       times, sent0 = [], _link_bytes()
@@ -231,7 +233,8 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
         if i >= args.warmup:
           times.append(time.perf_counter() - t0)
       rows.append({"system": args.system, "seed": args.seed, "bandwidth": name, "rate_bps": bps,
-                   "density": density, "step_s": statistics.median(times),
+                   "density": density, **({"size": size[0]} if size else {}),
+                   "step_s": statistics.median(times),
                    "node0_link_bytes_per_step": (_link_bytes() - sent0) / args.reps})
       if getattr(run, "pipe", None) is not None:  # the pipelined step's halves and timeline
         rows[-1].update(run.pipeline_phases(at_step + args.warmup + args.reps, at_step,
@@ -258,18 +261,29 @@ def parity_worker(args) -> None:
   else:
     pin_to_core(node)
     run = TorchRun(config, 0, 1, False, distributed=False)
-  for i in range(PARITY_WARMUP):
-    run.step(i)
-    run.wait()
-  _file_barrier(args.parity_dir, node, NODES)
-  times = []
-  for i in range(PARITY_WARMUP, PARITY_WARMUP + max(args.reps, PARITY_REPS)):
-    t0 = time.perf_counter()
-    run.step(i)
-    run.wait()
-    times.append(time.perf_counter() - t0)
+  # each image size of the recipe (progressive resizing) from its first step: the step's
+  # median there, and over the recipe the mean weighted by the steps each size trains
+  sizes = run.sizes
+  starts = {size: sizes.index(size) for size in dict.fromkeys(sizes)}
+  by_size = {}
+  for n, (size, start) in enumerate(starts.items()):
+    for i in range(start, start + PARITY_WARMUP):
+      run.step(i)
+      run.wait()
+    if n == 0:
+      _file_barrier(args.parity_dir, node, NODES)
+    times = []
+    for i in range(start + PARITY_WARMUP, start + PARITY_WARMUP + max(args.reps, PARITY_REPS)):
+      t0 = time.perf_counter()
+      run.step(i)
+      run.wait()
+      times.append(time.perf_counter() - t0)
+    by_size[size] = statistics.median(times)
+  step_s = sum(by_size[size] for size in sizes) / len(sizes)
   with open(args.worker_out, "w") as f:
-    json.dump({"runtime": args.system, "node": node, "step_s": statistics.median(times),
+    json.dump({"runtime": args.system, "node": node, "step_s": step_s,
+               **({"step_s_by_size": {str(k): v for k, v in by_size.items()}}
+                  if len(by_size) > 1 else {}),
                "batch_per_process": config.batch_size,
                "layout": (f"{NODES} processes at once, one pinned to each core, "
                           f"{config.mesh.local} CPU devices each" if args.system == "jax"
@@ -505,11 +519,9 @@ def drive(ap, args) -> int:
             results.setdefault("failed", []).append({"system": system, "seed": seed})
             continue
           results["sweep"] += row.pop("sweep")
-          dens = density_per_step(cfg, steps_per_epoch, total)
           hit = steps_to_target(row["curve"], config.target_value, config.target_metric)
           if hit:
-            values, counts = np.unique(dens[:hit["step"]], return_counts=True)
-            row["levels_to_target"] = [[float(v), int(n)] for v, n in zip(values, counts)]
+            row["levels_to_target"] = levels_to(cfg, steps_per_epoch, total, hit["step"])
           results["train"].append(row)
           print(json.dumps({"system": system, "seed": seed, "reached": hit}), flush=True)
           write_results(partial, results, "partial: not analysed yet")

@@ -60,6 +60,10 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                              "compression.momentum_correction": True,
                              "experimental.momentum_masking": False}),
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05}),
+    # the CNN task's (LARS: no momentum correction): HiTopKComm 0.001 or its dense form
+    "auto-0.001": ("jax", {"compression.algorithm": "auto", "compression.density": 0.001}),
+    "higtopk-0.001": ("jax", {"compression.algorithm": "higtopk",
+                              "compression.density": 0.001}),
     # a dense finish: HiTopKComm (its density warm-up kept) to the step named of the
     # Transformer task's 457 a epoch, then its dense form (every candidate all-reduced, the
     # residual emptied) to the end of the recipe
@@ -205,14 +209,35 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   return dens
 
 
-def level_steps(config, steps_per_epoch: int, total: int) -> list[list[float]]:
-  """[[density, first step at it], ...] for the levels a run passes through."""
+def size_per_step(config, steps_per_epoch: int, total: int) -> list[int | None]:
+  """The image size each step trains at (progressive resizing; None without a schedule)."""
+  from sparsejax.train import schedules
+  return [schedules.image_size(config.data.resize_schedule, s / steps_per_epoch)
+          for s in range(total)]
+
+
+def level_steps(config, steps_per_epoch: int, total: int) -> list[list[Any]]:
+  """[[density, first step at it], ...] for the levels a run passes through; with progressive
+  resizing a level is a density at an image size: [[density, first step, size], ...]."""
   dens = density_per_step(config, steps_per_epoch, total)
-  out = []
-  for s, d in enumerate(dens):
-    if not out or out[-1][0] != d:
-      out.append([float(d), s])
+  sizes = size_per_step(config, steps_per_epoch, total)
+  out: list[list[Any]] = []
+  for s, (d, size) in enumerate(zip(dens, sizes)):
+    if not out or (out[-1][0], out[-1][2:]) != (d, [size] if size else []):
+      out.append([float(d), s] + ([size] if size else []))
   return out
+
+
+def levels_to(config, steps_per_epoch: int, total: int, steps: int) -> list[list[Any]]:
+  """How many of the first `steps` steps run at each level: [[density, steps], ...], or with
+  progressive resizing [[density, size, steps], ...]."""
+  dens = density_per_step(config, steps_per_epoch, total)[:steps]
+  sizes = size_per_step(config, steps_per_epoch, total)[:steps]
+  counts: dict[tuple, int] = {}
+  for d, size in zip(dens, sizes):
+    key = (float(d),) + ((size,) if size else ())
+    counts[key] = counts.get(key, 0) + 1
+  return [[*key, n] for key, n in sorted(counts.items())]
 
 
 def parse_link_change(text: str) -> tuple[tuple[str, int | None], float]:
