@@ -80,6 +80,17 @@ def _print_summary(summary: dict, workdir: str) -> None:
           ("wall time", f"{summary['wall_time_s']:.1f} s"),
           ("MB sent per worker", f"{summary['bytes_sent'] / 1e6:.1f}"),
           ("skipped steps", str(summary["skipped_steps"]))]
+  target = (summary.get("config") or {}).get("target_metric")
+  reached = summary.get("time_to_target")
+  if reached:  # the DAWNBench figure: wall time (evaluations left out) to the target
+    rows.append(("time to target", f"{reached['wall_time_s']:.1f} s (step {reached['step']}: "
+                 f"{reached['metric']} {reached['value']:.4f} >= {reached['target']})"
+                 if reached["metric"] != "loss" else
+                 f"{reached['wall_time_s']:.1f} s (step {reached['step']}: loss "
+                 f"{reached['value']:.4f} <= {reached['target']})"))
+  elif target:
+    rows.append(("time to target", f"not reached ({target} "
+                 f"{summary['config'].get('target_value')})"))
   for name, block in (("final", summary.get("final_eval")), ("best", summary.get("best_eval"))):
     for k, v in (block or {}).items():
       rows.append((f"{name} {k}", f"{v:.4f}" if isinstance(v, float) else str(v)))

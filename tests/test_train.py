@@ -312,3 +312,24 @@ def test_without_momentum_correction_the_optimizer_keeps_the_momentum():
   optimizer_state = state.chain.optimizer
   assert optimizer_state.momentum is not None
   assert state.comm_state.feedback.velocity is None
+
+
+def test_the_cli_summary_states_the_time_to_target_or_that_it_was_not_reached(capsys):
+  from sparsejax import cli
+  summary = {"steps": 40, "total_steps": 40, "wall_time_s": 12.5, "bytes_sent": 2e6,
+             "skipped_steps": 0, "final_eval": {"accuracy": 0.9}, "best_eval": None,
+             "config": {"target_metric": "accuracy", "target_value": 0.85},
+             "time_to_target": {"metric": "accuracy", "value": 0.8612, "target": 0.85,
+                                "step": 24, "wall_time_s": 7.25}}
+  cli._print_summary(summary, "runs/x")
+  assert "time to target      7.2 s (step 24: accuracy 0.8612 >= 0.85)" in capsys.readouterr().out
+  summary["time_to_target"] = {"metric": "loss", "value": 4.5, "target": 4.55, "step": 9,
+                               "wall_time_s": 3.0}
+  cli._print_summary(summary, "runs/x")
+  assert "3.0 s (step 9: loss 4.5000 <= 4.55)" in capsys.readouterr().out
+  summary["time_to_target"] = None
+  cli._print_summary(summary, "runs/x")
+  assert "time to target      not reached (accuracy 0.85)" in capsys.readouterr().out
+  summary["config"] = {"target_metric": ""}
+  cli._print_summary(summary, "runs/x")
+  assert "time to target" not in capsys.readouterr().out
