@@ -82,7 +82,7 @@ def _print_summary(summary: dict, workdir: str) -> None:
           ("skipped steps", str(summary["skipped_steps"]))]
   target = (summary.get("config") or {}).get("target_metric")
   reached = summary.get("time_to_target")
-  if reached:  # the DAWNBench figure: wall time (evaluations left out) to the target
+  if reached:  # the DAWNBench figure: the run's wall time when the target was first reached
     rows.append(("time to target", f"{reached['wall_time_s']:.1f} s (step {reached['step']}: "
                  f"{reached['metric']} {reached['value']:.4f} >= {reached['target']})"
                  if reached["metric"] != "loss" else

@@ -295,6 +295,21 @@ def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tm
 
 
 @pytest.mark.integration
+def test_a_new_image_size_is_measured_afresh(tmp_path):
+  """Progressive resizing (8 px, then 6 from step 13): the first step at the new size measures
+  again, outside the budget's cadence, timing both forms at that size (the step times of the
+  old size are another step's), and says so in its entry."""
+  summary = train_and_evaluate(auto_config(**{
+      "data.resize_schedule": ((0, 8), (13 / STEPS_PER_EPOCH, 6)),
+      "auto.schedule": ((0, "measured"),)}), str(tmp_path), progress=False)
+  choices = summary["exchange_choices"]
+  assert [c["step"] for c in choices] == [0, 13], choices
+  assert "input_shape" not in choices[0] and choices[1]["input_shape"][1:3] == [6, 6]
+  assert all(c["why"] == "measured" and c["how"].startswith("timed") for c in choices)
+  assert "; link read twice (" in choices[1]["how"]  # (nothing kept to check a read against)
+
+
+@pytest.mark.integration
 def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   summary = train_and_evaluate(auto_config(**{
       "auto.schedule": ((0, "measured"), (10 / STEPS_PER_EPOCH, "measured")),

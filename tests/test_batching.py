@@ -66,13 +66,13 @@ def test_every_kind_of_input_fits_the_one_protocol():
 
 
 def test_crop_flip_is_a_padded_crop_of_each_image_drawn_the_same_for_a_seed_and_step():
-  """Each augmented image is one of the (2p+1)^2 crops of its zero-padded image, flipped or not
+  """Each augmented image is one of the (2p+1)^2 crops of its reflected image, flipped or not
   (found by search, not by the draw); about half are flipped; a (seed, step) draws the same."""
   from sparsejax.data import small
   x = np.random.default_rng(5).normal(size=(203, 13, 11, 2)).astype(np.float32)
   out = small.augment(x, "crop_flip", seed=3, step=17)
   assert out.shape == x.shape and out.dtype == x.dtype
-  padded = np.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))
+  padded = np.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)), mode="reflect")
   flipped, moved = 0, 0
   for i in range(len(x)):
     found = [(dy, dx, f) for dy in range(5) for dx in range(5) for f in (False, True)

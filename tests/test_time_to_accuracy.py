@@ -187,6 +187,12 @@ def test_with_progressive_resizing_a_level_is_a_density_at_an_image_size():
                  "step_s": t} for size, t in ((12, 0.05), (12, 0.07), (22, 0.2), (22, 0.3))]}
   a = tta_analysis.analyse(results, target=0.85)["dense"]
   assert a["predicted_time_to_target_s"]["1gbit"] == [pytest.approx(217 * 0.06 + 83 * 0.25)]
+  # a step of the recipe: each size's median weighted by the recipe's steps at it
+  results["meta"]["size_steps"] = {"12": 100, "22": 300}
+  assert tta_analysis.recipe_step(results, results["sweep"]) == pytest.approx(
+      (100 * 0.06 + 300 * 0.25) / 400)
+  del results["meta"]["size_steps"]  # (older results: the median of every row)
+  assert tta_analysis.recipe_step(results, results["sweep"]) == pytest.approx(0.135)
 
 
 def test_analysis_sums_steps_per_level_times_median_step_time():

@@ -400,6 +400,11 @@ def _other(form: str) -> str:
   return "sparse" if form == "dense" else "dense"
 
 
+def _shape_of(batch: Sequence[Any]) -> tuple:
+  """The shape of a batch's inputs (what a compiled step is specialised to)."""
+  return tuple(batch[0].shape)
+
+
 class AutoExchange:
   """Chooses the compressor's form before each step (see the module's docstring).
 
@@ -438,7 +443,9 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._gradient = step_lib.jit_gradient_spread(setup, state_like)
     self._select_s: float | None = None  # the sparse form's local work, measured once
-    self._warm: set[int] = set()  # the levels whose step has run here (compiled)
+    self._warm: set[tuple] = set()  # the (level, input shape) pairs whose step ran here
+    self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
+    self._gradient_warm: set[tuple] = set()  # the input shapes the gradient pass ran at
     self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._timed: dict[str, float] = {}  # each form's rest as timed on a copy
     self._rest_link: dict[str, Link] = {}  # the link each form's rest was taken at
@@ -534,11 +541,11 @@ class AutoExchange:
     call where this level has not run here yet (`compile`)."""
     fn = self.compiled(level)
     copy = jax.tree.map(jnp.copy, state)
-    if level not in self._warm:
+    if (level, _shape_of(batch)) not in self._warm:
       t0 = time.perf_counter()
       copy, _ = fn(copy, *batch)
       jax.block_until_ready(copy)
-      self._warm.add(level)
+      self._warm.add((level, _shape_of(batch)))
       self._untimed.append(time.perf_counter() - t0)
     times = []
     for _ in range(reps):
@@ -558,11 +565,12 @@ class AutoExchange:
     self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                               self.nodes)])
     jax.block_until_ready(self._gradient(state, *batch))
+    self._gradient_warm.add(_shape_of(batch))
     for form in FORMS:
       level = self._level_of(form, 0)
       copy, _ = self.compiled(level)(jax.tree.map(jnp.copy, state), *batch)
       jax.block_until_ready(copy)
-      self._warm.add(level)
+      self._warm.add((level, _shape_of(batch)))
 
   def _exchange(self, link: Link, density: float | None = None) -> dict[str, float]:
     """Each form's modelled exchange on `link` (the sparse form's at `density`, by default the
@@ -667,7 +675,11 @@ class AutoExchange:
       t0 = time.perf_counter()
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
+      self._untimed.append(time.perf_counter() - t0)
+    if _shape_of(batch) not in self._gradient_warm:  # (a new input size compiles it again)
+      t0 = time.perf_counter()
       jax.block_until_ready(self._gradient(state, *batch))
+      self._gradient_warm.add(_shape_of(batch))
       self._untimed.append(time.perf_counter() - t0)
     spread = float(jax.device_get(self._gradient(state, *batch)))
     probe_s = self._spent()  # (what every measurement costs; a form timed is a one-off)
@@ -719,13 +731,31 @@ class AutoExchange:
       return None
     return other
 
+  def _resized(self, batch: Sequence[jax.Array]) -> bool:
+    """Whether the input's shape changed since the last step (progressive resizing): every
+    step time taken at the old size is then another step's, so it is dropped, the window with
+    it, and the run measures again now (both forms timed, as at the first measurement)."""
+    before, self._shape = self._shape, _shape_of(batch)
+    if before is None or before == self._shape:
+      return False
+    self._rest.clear()
+    self._timed.clear()
+    self._rest_link.clear()
+    self._seen.clear()
+    self._window, self._open_at = None, None
+    return True
+
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
-    """Measures and chooses where due; logs the choice; times the steps between."""
-    if not self._due(step):
+    """Measures and chooses where due (and where the input's size changed); logs the choice;
+    times the steps between."""
+    resized = self._resized(batch) and self._scheduled(step) == "measured"
+    if not resized and not self._due(step):
       self._track(step, state)
       return
     c = self.compression
     entry: dict[str, Any] = {"step": step}
+    if resized:
+      entry["input_shape"] = list(self._shape)
     form = self._scheduled(step)
     if form != "measured":
       self._window = None

@@ -64,12 +64,12 @@ def analyse(results: dict, target: float) -> dict:
       tta[bw] = vals
     entry["predicted_time_to_target_s"] = tta
     compute = compute_s(results, "torch" if system.startswith("torch") else "jax")
-    at_unlimited = [row["step_s"] for row in sweep if row["system"] == system
+    at_unlimited = [row for row in sweep if row["system"] == system
                     and row["bandwidth"] == "unlimited"
                     and row["density"] == min(x["density"] for x in sweep
                                               if x["system"] == system)]
     if compute and at_unlimited:
-      step = statistics.median(at_unlimited)
+      step = recipe_step(results, at_unlimited)
       entry["unlimited_step_s"] = step
       entry["exchange_share_unlimited"] = max(0.0, step - compute) / step
     headline = results["meta"]["headline"]
@@ -78,6 +78,20 @@ def analyse(results: dict, target: float) -> dict:
           s["train_time_to_target_s"] / p if p else None for s, p in zip(seeds, tta[headline])]
     out[system] = entry
   return out
+
+
+def recipe_step(results: dict, rows: list[dict]) -> float:
+  """The median step of sweep `rows` (one system, bandwidth and density); with progressive
+  resizing, each size's median weighted by the recipe's steps at that size (meta's
+  `size_steps`), as the parity phase's compute-only step is."""
+  shares = results["meta"].get("size_steps")
+  if not shares or not any("size" in r for r in rows):
+    return statistics.median(r["step_s"] for r in rows)
+  by_size: dict[str, list[float]] = {}
+  for r in rows:
+    by_size.setdefault(str(r["size"]), []).append(r["step_s"])
+  weight = sum(shares[size] for size in by_size)
+  return sum(shares[size] * statistics.median(v) for size, v in by_size.items()) / weight
 
 
 def compute_s(results: dict, runtime: str = "jax") -> float | None:
@@ -272,11 +286,11 @@ def exchange_over_compute(results: dict) -> dict[str, float]:
   if not results.get("parity"):
     return {}
   compute = statistics.median(r["jax"]["step_s"] for r in results["parity"])
-  out = {}
+  out: dict[str, list[dict]] = {}
   for row in results.get("sweep", []):
     if row["system"] == "dense":
-      out.setdefault(row["bandwidth"], []).append(row["step_s"])
-  return {b: max(0.0, statistics.median(v) - compute) / compute for b, v in out.items()}
+      out.setdefault(row["bandwidth"], []).append(row)
+  return {b: max(0.0, recipe_step(results, v) - compute) / compute for b, v in out.items()}
 
 
 def plot(results: dict, analysis: dict, png: str) -> None:

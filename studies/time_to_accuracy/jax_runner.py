@@ -22,7 +22,7 @@ class JaxRun:
     from sparsejax.train.auto import measuring
     from sparsejax.train.mesh import make_mesh
     from sparsejax.train.state import from_config
-    from sparsejax.train.step import jit_eval_step, jit_train_step
+    from sparsejax.train.step import jit_eval_step, jit_sync_batch_stats, jit_train_step
     self.config = config
     self.data = data_lib.open_inputs(config)
     self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
@@ -42,6 +42,7 @@ class JaxRun:
                                          self.data.example(self.size),
                                          steps_per_epoch=self.data.steps_per_epoch,
                                          total_steps=self.total)
+    self.sync = jit_sync_batch_stats(self.setup.mesh)
     first = self.batch(0)
     # one step per density level the run passes through (the trainer's choice, as `sparsejax
     # train`), compiled before the clock starts (PyTorch has nothing to compile)
@@ -58,12 +59,16 @@ class JaxRun:
       self.eval_fn = jit_eval_step(self.setup, self.state)
       return
     extra = [self._dense_level(config)] if config.compression.algorithm == "auto" else []
-    # (level, image size) -> the step compiled for it
+    # (level, image size) -> the step compiled for it: the pairs the run passes through, and
+    # auto's forms (its dense level, the final density) at every size
+    pairs = list(zip(self.levels, self.sizes))
+    pairs += [(level, size) for size in dict.fromkeys(self.sizes)
+              for level in extra + ([self.levels[-1]] if extra else [])]
     self.step_fns = {}
-    for size in dict.fromkeys(self.sizes):
+    for level, size in dict.fromkeys(pairs):
       batch = first if size == self.size else self.batch(self.sizes.index(size))
-      self.step_fns.update({(level, size): jit_train_step(self.setup, self.state, level).lower(
-          self.state, *batch).compile() for level in dict.fromkeys(self.levels + extra)})
+      self.step_fns[level, size] = jit_train_step(self.setup, self.state, level).lower(
+          self.state, *batch).compile()
     self.auto = self._auto(config, first)
     self.auto_measures = self.auto is not None and measuring(config)
     self.eval_fn = jit_eval_step(self.setup, self.state)
@@ -173,6 +178,9 @@ class JaxRun:
 
   def evaluate(self) -> dict[str, float]:
     from sparsejax.train.loop import evaluate
+    # (as `sparsejax train`: the BatchNorm statistics averaged over the workers first, and the
+    # run goes on from them)
+    self.state = self.sync(self.state)
     return evaluate(self.setup, self.eval_fn, self.state, self.data, self.size)
 
   def set_step(self, step: int) -> None:

@@ -90,6 +90,7 @@ from studies.time_to_accuracy.systems import (  # noqa: E402
   model_size,
   parse_bandwidths,
   parse_link_change,
+  size_per_step,
   system_spec,
 )
 from studies.time_to_accuracy.torch_peer import TorchRun  # noqa: E402 (the peer's runner)
@@ -270,8 +271,8 @@ def parity_worker(args) -> None:
     for i in range(start, start + PARITY_WARMUP):
       run.step(i)
       run.wait()
-    if n == 0:
-      _file_barrier(args.parity_dir, node, NODES)
+    # both nodes start each size's timed steps together (the machine loaded as in the runs)
+    _file_barrier(os.path.join(args.parity_dir, f"size{n}"), node, NODES)
     times = []
     for i in range(start + PARITY_WARMUP, start + PARITY_WARMUP + max(args.reps, PARITY_REPS)):
       t0 = time.perf_counter()
@@ -293,6 +294,7 @@ def parity_worker(args) -> None:
 
 def _file_barrier(directory: str, index: int, count: int, timeout_s: float = 600) -> None:
   """Waits until `count` processes have each created their file in `directory`."""
+  os.makedirs(directory, exist_ok=True)
   open(os.path.join(directory, f"ready{index}"), "w").close()
   deadline = time.monotonic() + timeout_s
   while sum(n.startswith("ready") for n in os.listdir(directory)) < count:
@@ -493,6 +495,9 @@ def drive(ap, args) -> int:
       "batch_size": config.batch_size, "total_steps": total,
       "parameters": model_size(config, inputs),
       "command": command_line("studies/time_to_accuracy/run.py", args.argv)}}
+  sizes = size_per_step(config, steps_per_epoch, total)
+  if any(sizes):  # progressive resizing: the recipe's steps at each size (weights the sweep)
+    results["meta"]["size_steps"] = {str(s): sizes.count(s) for s in dict.fromkeys(sizes)}
   log = sys.stdout
   partial = os.path.splitext(args.out)[0] + ".partial.json"  # every finished run, as it ends
   if "parity" in phases:

@@ -112,22 +112,26 @@ def torch_resnet(stage_sizes: tuple[int, ...], num_filters: int, num_classes: in
                  in_channels: int, small_inputs: bool = True):
   """`sparsejax.models.ResNet` with basic blocks (ResNet-18/34, the CIFAR ResNets) in PyTorch:
   NHWC input float32[b, h, w, c]; convolutions without bias, flax's "SAME" padding (the odd
-  pixel on the high side) and lecun_normal kernels; BatchNorm momentum 0.1 (flax's 0.9),
-  eps 1e-5, each block's last scale zero; a projection (1x1 conv + BN) where the shape changes;
-  global mean pool; a dense head (lecun_normal, bias zero). `small_inputs`: the CIFAR stem (one
-  3x3 conv, no max-pool); otherwise the 7x7/2 conv and 3x3/2 max-pool."""
+  pixel on the high side; the ImageNet stem's 7x7/2: 3 pixels a side) and lecun_normal
+  kernels; BatchNorm momentum 0.1 (flax's 0.9), eps 1e-5, each block's last scale zero; a
+  projection (1x1 conv + BN) where the shape changes; global mean pool; a dense head
+  (lecun_normal, bias zero). `small_inputs`: the CIFAR stem (one 3x3 conv, no max-pool);
+  otherwise the 7x7/2 conv and 3x3/2 max-pool."""
   import torch
   from torch import nn
   f = torch.nn.functional
 
   class Conv(nn.Conv2d):
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1):
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1,
+                 pad: int | None = None):
       super().__init__(cin, cout, kernel, stride, padding=0, bias=False)
       _lecun(self.weight, cin * kernel * kernel)
+      self.pad = pad  # None: flax's SAME; else this many pixels each side
 
     def forward(self, x):
-      (top, bottom), (left, right) = (_same_pad(n, self.kernel_size[0], self.stride[0])
-                                      for n in x.shape[2:])
+      (top, bottom), (left, right) = (
+          (self.pad, self.pad) if self.pad is not None
+          else _same_pad(n, self.kernel_size[0], self.stride[0]) for n in x.shape[2:])
       if top or bottom or left or right:
         x = f.pad(x, (left, right, top, bottom))
       return super().forward(x)
@@ -154,8 +158,9 @@ def torch_resnet(stage_sizes: tuple[int, ...], num_filters: int, num_classes: in
   class ResNet(nn.Module):
     def __init__(self):
       super().__init__()
-      self.stem = nn.Sequential(Conv(in_channels, num_filters, 3 if small_inputs else 7,
-                                     1 if small_inputs else 2), norm(num_filters), nn.ReLU())
+      stem = (Conv(in_channels, num_filters, 3) if small_inputs  # (the ImageNet stem: 3 a side)
+              else Conv(in_channels, num_filters, 7, 2, pad=3))
+      self.stem = nn.Sequential(stem, norm(num_filters), nn.ReLU())
       self.small = small_inputs
       blocks, cin = [], num_filters
       for i, n in enumerate(stage_sizes):
