@@ -2,6 +2,8 @@
 sparsejax's (same parameters give the same logits and gradients; the same initialisation), and
 its AdamW and LARS are optax's with the trainer's decay mask."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,22 +103,19 @@ def test_the_pytorch_transformer_starts_where_flax_does():
   assert float(peer.layers[0].ln_self.weight.detach().min()) == 1.0
 
 
-def test_the_pytorch_adamw_is_optax_adamw_with_the_decay_mask():
-  """Three steps of torch's AdamW (decay on parameters of 2+ dimensions) equal optax.adamw
-  masked by the trainer's `decay_mask`, on fresh gradients, with a changing learning rate."""
-  rng = np.random.default_rng(7)
-  params = {"kernel": rng.standard_normal((7, 5)).astype(np.float32),
-            "bias": rng.standard_normal(5).astype(np.float32)}
-  lrs = [1e-2, 3e-3, 5e-4]
-  o = type("O", (), {"name": "adamw", "learning_rate": lrs[0], "b1": 0.9, "b2": 0.98,
-                     "eps": 1e-8, "weight_decay": 0.1})()
+def _same_three_steps(o, make_tx, seed: int, lrs, kernel_shape) -> Any:
+  """Three steps of the peer's optimizer for `o` and of optax's (`make_tx(schedule)`, masked by
+  the trainer's `decay_mask`) from the same parameters on the same fresh gradients, the learning
+  rate changing each step; asserts they agree and returns the peer's module."""
+  rng = np.random.default_rng(seed)
+  params = {"kernel": rng.standard_normal(kernel_shape).astype(np.float32),
+            "bias": rng.standard_normal(kernel_shape[-1]).astype(np.float32)}
   module = torch.nn.Module()
   module.kernel = torch.nn.Parameter(torch.from_numpy(params["kernel"].copy()))
   module.bias = torch.nn.Parameter(torch.from_numpy(params["bias"].copy()))
   opt = torch_peer.build_optimizer(torch, module, o)
   step = iter(lrs)
-  tx = optax.adamw(lambda _: next(step), b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.1,
-                   mask=decay_mask)
+  tx = make_tx(lambda _: next(step))
   state = tx.init(params)
   for lr in lrs:
     grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
@@ -130,6 +129,17 @@ def test_the_pytorch_adamw_is_optax_adamw_with_the_decay_mask():
   np.testing.assert_allclose(module.kernel.detach().numpy(), params["kernel"], rtol=1e-5,
                              atol=1e-6)
   np.testing.assert_allclose(module.bias.detach().numpy(), params["bias"], rtol=1e-5, atol=1e-6)
+  return module
+
+
+def test_the_pytorch_adamw_is_optax_adamw_with_the_decay_mask():
+  """Three steps of torch's AdamW (decay on parameters of 2+ dimensions) equal optax.adamw
+  masked by the trainer's `decay_mask`, on fresh gradients, with a changing learning rate."""
+  lrs = [1e-2, 3e-3, 5e-4]
+  o = type("O", (), {"name": "adamw", "learning_rate": lrs[0], "b1": 0.9, "b2": 0.98,
+                     "eps": 1e-8, "weight_decay": 0.1})()
+  _same_three_steps(o, lambda lr: optax.adamw(lr, b1=0.9, b2=0.98, eps=1e-8, weight_decay=0.1,
+                                              mask=decay_mask), 7, lrs, (7, 5))
 
 
 def test_the_peer_refuses_what_it_cannot_build():
@@ -225,32 +235,12 @@ def test_the_pytorch_lars_is_optax_lars_with_the_trainer_masks():
   """Three steps of the peer's LARS (decay and trust ratio on parameters of 2+ dimensions)
   equal optax.lars masked by the trainer's `decay_mask`, on fresh gradients, with a changing
   learning rate; and Nesterov, which it lacks, is refused."""
-  rng = np.random.default_rng(11)
-  params = {"kernel": rng.standard_normal((9, 4, 3)).astype(np.float32),
-            "bias": rng.standard_normal(3).astype(np.float32)}
   lrs = [2.0, 0.7, 0.3]
   o = type("O", (), {"name": "lars", "learning_rate": lrs[0], "momentum": 0.9,
                      "trust_coefficient": 0.01, "weight_decay": 0.05, "nesterov": False})()
-  module = torch.nn.Module()
-  module.kernel = torch.nn.Parameter(torch.from_numpy(params["kernel"].copy()))
-  module.bias = torch.nn.Parameter(torch.from_numpy(params["bias"].copy()))
-  opt = torch_peer.build_optimizer(torch, module, o)
-  step = iter(lrs)
-  tx = optax.lars(lambda _: next(step), weight_decay=0.05, weight_decay_mask=decay_mask,
-                  trust_coefficient=0.01, trust_ratio_mask=decay_mask, momentum=0.9)
-  state = tx.init(params)
-  for lr in lrs:
-    grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    for group in opt.param_groups:
-      group["lr"] = lr
-    module.kernel.grad, module.bias.grad = (torch.from_numpy(grads["kernel"]),
-                                            torch.from_numpy(grads["bias"]))
-    opt.step()
-  np.testing.assert_allclose(module.kernel.detach().numpy(), params["kernel"], rtol=1e-5,
-                             atol=1e-6)
-  np.testing.assert_allclose(module.bias.detach().numpy(), params["bias"], rtol=1e-5, atol=1e-6)
+  module = _same_three_steps(o, lambda lr: optax.lars(
+      lr, weight_decay=0.05, weight_decay_mask=decay_mask, trust_coefficient=0.01,
+      trust_ratio_mask=decay_mask, momentum=0.9), 11, lrs, (9, 4, 3))
   o.nesterov = True
   with pytest.raises(ValueError, match="optimizer.nesterov=False"):
     torch_peer.build_optimizer(torch, module, o)
