@@ -83,11 +83,9 @@ def _print_summary(summary: dict, workdir: str) -> None:
   target = (summary.get("config") or {}).get("target_metric")
   reached = summary.get("time_to_target")
   if reached:  # the DAWNBench figure: the run's wall time when the target was first reached
+    op = "<=" if reached["metric"] == "loss" else ">="
     rows.append(("time to target", f"{reached['wall_time_s']:.1f} s (step {reached['step']}: "
-                 f"{reached['metric']} {reached['value']:.4f} >= {reached['target']})"
-                 if reached["metric"] != "loss" else
-                 f"{reached['wall_time_s']:.1f} s (step {reached['step']}: loss "
-                 f"{reached['value']:.4f} <= {reached['target']})"))
+                 f"{reached['metric']} {reached['value']:.4f} {op} {reached['target']})"))
   elif target:
     rows.append(("time to target", f"not reached ({target} "
                  f"{summary['config'].get('target_value')})"))

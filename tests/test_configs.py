@@ -107,3 +107,9 @@ def test_image_size_schedule():
                                    ["data.resize_schedule=((5, 128), (1, 224))"])
   with pytest.raises(ValueError, match="resize_schedule"):
     config_lib.validate(bad)
+
+
+def test_an_unknown_augmentation_is_refused_naming_what_is_allowed():
+  bad = config_lib.apply_overrides(config_lib.default_config(), ["data.augment=crop"])
+  with pytest.raises(ValueError, match=r"'data.augment' = 'crop': must be one of '', 'crop_flip'"):
+    config_lib.validate(bad)

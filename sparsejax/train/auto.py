@@ -443,9 +443,9 @@ class AutoExchange:
     self.k = max(1, round(c.density * self.shard))
     self._gradient = step_lib.jit_gradient_spread(setup, state_like)
     self._select_s: float | None = None  # the sparse form's local work, measured once
-    self._warm: set[tuple] = set()  # the (level, input shape) pairs whose step ran here
+    # what has run here (compiled) at each input shape: (level, shape), ("gradient", shape)
+    self._warm: set[tuple] = set()
     self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
-    self._gradient_warm: set[tuple] = set()  # the input shapes the gradient pass ran at
     self._rest: dict[str, float] = {}  # each form's step less its modelled exchange, last seen
     self._timed: dict[str, float] = {}  # each form's rest as timed on a copy
     self._rest_link: dict[str, Link] = {}  # the link each form's rest was taken at
@@ -565,7 +565,7 @@ class AutoExchange:
     self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                               self.nodes)])
     jax.block_until_ready(self._gradient(state, *batch))
-    self._gradient_warm.add(_shape_of(batch))
+    self._warm.add(("gradient", _shape_of(batch)))
     for form in FORMS:
       level = self._level_of(form, 0)
       copy, _ = self.compiled(level)(jax.tree.map(jnp.copy, state), *batch)
@@ -676,10 +676,10 @@ class AutoExchange:
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
       self._untimed.append(time.perf_counter() - t0)
-    if _shape_of(batch) not in self._gradient_warm:  # (a new input size compiles it again)
+    if ("gradient", _shape_of(batch)) not in self._warm:  # (a new input size compiles it)
       t0 = time.perf_counter()
       jax.block_until_ready(self._gradient(state, *batch))
-      self._gradient_warm.add(_shape_of(batch))
+      self._warm.add(("gradient", _shape_of(batch)))
       self._untimed.append(time.perf_counter() - t0)
     spread = float(jax.device_get(self._gradient(state, *batch)))
     probe_s = self._spent()  # (what every measurement costs; a form timed is a one-off)
