@@ -294,8 +294,43 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   np.testing.assert_array_equal(np.asarray(got.comm_state.feedback.velocity), velocity)
 
 
-def test_momentum_correction_needs_sgd_with_momentum():
-  for changes, match in (({"optimizer.name": "lars"}, "optimizer.name.*sgd with optimizer"),
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov):
+  """LARS with momentum correction (each worker's decay and trust ratio in front of the
+  compressor, its momentum in it, a plain SGD behind it): with every coordinate sent (density 1,
+  no masking) and every worker given the same batch (so each worker's trust ratio is the mean
+  gradient's), three steps move the parameters as the dense trainer's fused LARS does."""
+  changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
+             "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
+             "optimizer.nesterov": nesterov, "optimizer.warmup_epochs": 0.0,
+             "optimizer.schedule": "constant", "model.num_filters": 4,
+             "compression.warmup_epochs": 0.0}
+  mesh = make_mesh(2, 4)
+  train, _ = data_lib.digits()
+  images, labels = train.images[:13], train.labels[:13]
+  results = []
+  for more in ({"compression.algorithm": "dense"},
+               {"compression.algorithm": "hitopk", "compression.density": 1.0,
+                "compression.momentum_correction": True,
+                "experimental.momentum_masking": False}):
+    config = validate(small_config(**changes, **more))
+    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    if more["compression.algorithm"] == "hitopk":
+      assert state.chain.optimizer.momentum is None  # the momentum is in the compressor
+    start = np.asarray(state.params, np.float64)
+    step = jit_train_step(setup, state)
+    for i in range(3):
+      batch = np.roll(np.arange(13), i)  # the same 13 images on each of the 8 workers
+      state, _ = step(state, *shard_batch(mesh, np.tile(images[batch], (8, 1, 1, 1)),
+                                          np.tile(labels[batch], 8)))
+    results.append(np.asarray(state.params, np.float64) - start)
+  dense, corrected = results
+  assert np.count_nonzero(dense) > dense.size // 2
+  np.testing.assert_allclose(corrected, dense, rtol=1e-3, atol=1e-4 * np.abs(dense).max())
+
+
+def test_momentum_correction_needs_sgd_or_lars_with_momentum():
+  for changes, match in (({"optimizer.name": "lamb"}, "optimizer.name.*sgd or lars with"),
                          ({"optimizer.momentum": 0.0}, "optimizer.momentum = 0.0"),
                          ({"compression.error_feedback": False}, "compression.error_feedback")):
     with pytest.raises(ValueError, match=match):

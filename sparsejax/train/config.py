@@ -121,8 +121,8 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "selector": "mstopk",     # mstopk | exact | sampled
       "error_feedback": True,
       # DGC momentum correction: the SGD momentum (and weight decay) is accumulated before top-k
-      # selection instead of in the optimizer (optimizer sgd with momentum > 0); with adamw,
-      # each worker's Adam moments are. No effect with the dense algorithms (nothing is delayed
+      # selection instead of in the optimizer (optimizer sgd with momentum > 0; lars: each
+      # worker's decayed, trust-ratio-scaled gradient); with adamw, each worker's Adam moments. No effect with the dense algorithms (nothing is delayed
       # there).
       "momentum_correction": False,
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
@@ -305,10 +305,11 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
   need(c.compression.dense_epochs >= 0, "compression.dense_epochs", ">= 0")
   need(c.recipe in RECIPES, "recipe", f"one of {', '.join(repr(r) for r in RECIPES)}")
   if c.compression.momentum_correction:
-    need((c.optimizer.name == "sgd" and 0 < c.optimizer.momentum < 1)
+    need((c.optimizer.name in ("sgd", "lars") and 0 < c.optimizer.momentum < 1)
          or c.optimizer.name == "adamw", "optimizer.name",
-         "sgd with optimizer.momentum in (0, 1), or adamw, when compression.momentum_correction "
-         f"is True (optimizer.momentum = {c.optimizer.momentum!r})")
+         "sgd or lars with optimizer.momentum in (0, 1), or adamw, when "
+         "compression.momentum_correction is True "
+         f"(optimizer.name = {c.optimizer.name!r}, optimizer.momentum = {c.optimizer.momentum!r})")
     need(c.compression.error_feedback, "compression.error_feedback",
          "True when compression.momentum_correction is True")
   need(c.experimental.adam_first_moment in ("before", "after"),

@@ -14,7 +14,8 @@ compressor's `ExchangeState`, per worker), `norm` (record_norm's `NormState`) an
 With DGC momentum correction (`compression.momentum_correction` and a sparse algorithm) the
 config's momentum and Nesterov run in the compressor, on what has not been sent yet, its weight
 decay is added to the gradient in front of the compressor (so it passes through the momentum
-too), and the optimizer is plain SGD: `build_optimizer` says so in code.
+too; LARS: its trust ratio too, each worker's own), and the optimizer is plain SGD:
+`build_optimizer` says so in code.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from sparsejax.train.mesh import WORKERS
 __all__ = ["build_optimizer", "exchange_algorithm", "has_dense_form", "dense_steps",
            "dense_level_index", "MomentumCorrection",
            "momentum_correction", "compressor",
-           "fused_optimizer", "weight_decay_first", "train_chain", "density_level_fn",
+           "fused_optimizer", "weight_decay_first", "lars_first", "train_chain", "density_level_fn",
            "decay_mask", "NormState", "record_norm", "ChainState", "named_chain", "chain_parts",
            "replace_parts"]
 
@@ -198,6 +199,34 @@ def weight_decay_first(inner: optax.GradientTransformation, weight_decay: float,
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
+def lars_first(inner: optax.GradientTransformation, weight_decay: float,
+               trust_coefficient: float, layout: FlatLayout
+               ) -> optax.GradientTransformationExtraArgs:
+  """`inner` fed LARS's direction of this worker's gradient: on each kernel (`decay_mask`)
+  `trust_coefficient * ||p|| / ||g + weight_decay * p|| * (g + weight_decay * p)`, the
+  gradient elsewhere (optax.lars's decay and trust ratio, before its learning rate and momentum).
+  With momentum correction in `inner` and an SGD without momentum behind it, that is LARS with
+  each worker's momentum accumulated before the selection: a coordinate sent late moves as far
+  as LARS would have moved it. The trust ratio is each worker's own (from its gradient, as
+  the norm of the mean gradient is only known after a dense exchange). Its state is `inner`'s."""
+  mask = decay_mask(layout.shape_tree())
+
+  def direction(g, p, m):
+    if not m:
+      return g
+    d = g + weight_decay * p if weight_decay else g
+    param_norm, update_norm = jnp.linalg.norm(p), jnp.linalg.norm(d)
+    ratio = trust_coefficient * param_norm / update_norm
+    return d * jnp.where((param_norm == 0) | (update_norm == 0), 1.0, ratio)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    grads, values = layout.unravel(updates), layout.unravel(params)
+    grads = jax.tree.map(direction, grads, values, mask)
+    return inner.update(layout.ravel(grads, jnp.float32), state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
 def train_chain(compress: optax.GradientTransformation,
                 optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
   """`apply_if_finite_across(named_chain(compress, optimizer), WORKERS)`: the shape of every
@@ -231,11 +260,15 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
     return train_chain(compressor(config, density, layout=layout),
                        optimizer_behind_exchange(config, layout, steps_per_epoch=steps_per_epoch,
                                                  total_steps=total_steps))
-  # DGC: momentum and Nesterov in the compressor, the weight decay in front of it, and an SGD
-  # with neither behind it.
+  # DGC: momentum and Nesterov in the compressor, the weight decay (LARS: and the trust ratio)
+  # in front of it, and an SGD with neither behind it.
+  o = config.optimizer
+  front = (weight_decay_first(compressor(config, density, correction), o.weight_decay, layout)
+           if o.name == "sgd" else
+           lars_first(compressor(config, density, correction), o.weight_decay,
+                      o.trust_coefficient, layout))
   return train_chain(
-      weight_decay_first(compressor(config, density, correction),
-                         config.optimizer.weight_decay, layout),
+      front,
       optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
                       weight_decay_mask=decay_mask, layout=layout))
 
