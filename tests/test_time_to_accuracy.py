@@ -241,6 +241,31 @@ def test_the_pytorch_peer_is_the_flax_mlp():
   assert abs(float(np.std(np.asarray(flax_kernel))) * np.sqrt(1000) - 1.0) < 0.02
 
 
+def test_results_of_several_commands_are_analysed_together_and_another_task_is_refused():
+  """`--from-results A --from-results B`: B's systems, runs, sweep and parity rounds join A's
+  (the parity rounds give the header its exchange / compute ratio), both commands in the footer;
+  a file of another task is refused naming the key."""
+  meta = {"task": "mlp on digits", "target": 0.8, "target_metric": "accuracy", "command": "a",
+          "headline": "1gbit"}
+  runs = {"systems": ["dense"], "meta": meta,
+          "train": [{"system": "dense", "seed": 0, "curve": [{"accuracy": 0.9}]}],
+          "sweep": [{"system": "dense", "bandwidth": "1gbit", "step_s": 0.3}]}
+  parity = {"systems": ["dense", "torch-ddp"], "meta": {**meta, "command": "b"},
+            "parity": [{"jax": {"step_s": 0.1}}, {"jax": {"step_s": 0.2}}]}
+  more = {"systems": ["hitopk-0.01"], "meta": {**meta, "command": "c"},
+          "train": [{"system": "hitopk-0.01", "seed": 0, "curve": [{"accuracy": 0.7}]}]}
+  merged = tta.merge_results([runs, parity, more], ["r.json", "p.json", "m.json"])
+  assert merged["systems"] == ["dense", "torch-ddp", "hitopk-0.01"]
+  assert [r["system"] for r in merged["train"]] == ["dense", "hitopk-0.01"]
+  assert len(merged["parity"]) == 2 and merged["meta"]["command"] == "a`, then `b`, then `c"
+  assert runs["meta"]["command"] == "a"  # (the inputs are not changed)
+  assert tta_analysis.exchange_over_compute(merged) == {"1gbit": pytest.approx(1.0)}
+  with pytest.raises(ValueError, match="m.json is another task: its meta target is 0.9"):
+    tta.merge_results([runs, {**more, "meta": {**meta, "target": 0.9}}], ["r.json", "m.json"])
+  with pytest.raises(ValueError, match=r"already in an earlier file: \['dense'\]"):
+    tta.merge_results([runs, runs], ["r.json", "r2.json"])
+
+
 def test_a_loss_target_is_reached_from_above():
   curve = [{"step": 25, "loss": 6.1, "accuracy": 0.1}, {"step": 50, "loss": 4.6, "accuracy": 0.2},
            {"step": 75, "loss": 4.4, "accuracy": 0.25}]

@@ -383,6 +383,34 @@ def run_parity(args, log) -> list[dict]:
 
 # ----------------------------------------------------------------------------- main
 
+SAME_TASK = ("task", "target", "target_metric", "config", "sets", "nodes", "local", "batch_size",
+             "total_steps")
+
+
+def merge_results(parts: list[dict], names: list[str]) -> dict:
+  """One results dict from the results of several study commands on the same task: the first's
+  meta (its bandwidths and headline), every file's systems, runs, sweeps and parity rounds, and
+  each command in the footer. A ValueError names a file whose task differs (a `SAME_TASK` key)
+  or whose system is already in an earlier file."""
+  merged = {k: v for k, v in parts[0].items() if k not in ("analysis", "exchange_over_compute")}
+  merged["meta"] = dict(parts[0]["meta"])
+  for part, name in zip(parts[1:], names[1:]):
+    for key in SAME_TASK:
+      if part["meta"].get(key) != merged["meta"].get(key):
+        raise ValueError(f"{name} is another task: its meta {key} is "
+                         f"{part['meta'].get(key)!r}, {names[0]}'s {merged['meta'].get(key)!r}")
+    twice = set(part.get("systems", [])) & set(merged.get("systems", []))
+    if twice and part.get("train"):
+      raise ValueError(f"{name} runs systems already in an earlier file: {sorted(twice)}")
+    merged["systems"] = merged.get("systems", []) + [
+        s for s in part.get("systems", []) if s not in merged.get("systems", [])]
+    for key in ("train", "sweep", "parity"):
+      if part.get(key):
+        merged[key] = merged.get(key, []) + part[key]
+    merged["meta"]["command"] += f"`, then `{part['meta']['command']}"
+  return merged
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tta_fmnist_mlp.py"))
@@ -411,8 +439,10 @@ def main(argv=None) -> int:
                   "1 seed")
   ap.add_argument("--out", type=json_path,
                   default=os.path.join(HERE, "results", "time_to_accuracy.json"))
-  ap.add_argument("--from-results", metavar="JSON",
-                  help="no runs: analyse a results file again, writing --out's table and plot")
+  ap.add_argument("--from-results", metavar="JSON", action="append",
+                  help="no runs: analyse a results file again, writing --out's table and plot; "
+                  "given again, the files' runs of the same task are analysed together (e.g. "
+                  "a parity phase and systems run later beside the runs)")
   # worker-only arguments
   ap.add_argument("--mode", choices=("driver", "run", "parity"), default="driver",
                   help=argparse.SUPPRESS)
@@ -441,8 +471,14 @@ def main(argv=None) -> int:
 
 def drive(ap, args) -> int:
   if args.from_results:
-    with open(args.from_results) as f:
-      report(json.load(f), args.out)
+    parts = []
+    for name in args.from_results:
+      with open(name) as f:
+        parts.append(json.load(f))
+    try:
+      report(merge_results(parts, args.from_results), args.out)
+    except ValueError as e:
+      ap.error(str(e))
     return 0
   if args.quick:
     args.sets = QUICK_SETS + args.sets
