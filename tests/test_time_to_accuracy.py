@@ -250,7 +250,8 @@ def test_results_of_several_commands_are_analysed_together_and_another_task_is_r
   runs = {"systems": ["dense"], "meta": meta,
           "train": [{"system": "dense", "seed": 0, "curve": [{"accuracy": 0.9}]}],
           "sweep": [{"system": "dense", "bandwidth": "1gbit", "step_s": 0.3}]}
-  parity = {"systems": ["dense", "torch-ddp"], "meta": {**meta, "command": "b"},
+  parity = {"systems": ["dense", "torch-ddp"], "meta": {**meta, "command": "b",
+                                                         "headline": "5gbit"},  # (no runs)
             "parity": [{"jax": {"step_s": 0.1}}, {"jax": {"step_s": 0.2}}]}
   more = {"systems": ["hitopk-0.01"], "meta": {**meta, "command": "c"},
           "train": [{"system": "hitopk-0.01", "seed": 0, "curve": [{"accuracy": 0.7}]}]}
@@ -262,6 +263,10 @@ def test_results_of_several_commands_are_analysed_together_and_another_task_is_r
   assert tta_analysis.exchange_over_compute(merged) == {"1gbit": pytest.approx(1.0)}
   with pytest.raises(ValueError, match="m.json is another task: its meta target is 0.9"):
     tta.merge_results([runs, {**more, "meta": {**meta, "target": 0.9}}], ["r.json", "m.json"])
+  with pytest.raises(ValueError, match="m.json's runs were trained otherwise: its meta "
+                     "headline is '10mbit'"):
+    tta.merge_results([runs, {**more, "meta": {**meta, "headline": "10mbit"}}],
+                      ["r.json", "m.json"])
   with pytest.raises(ValueError, match=r"already in an earlier file: \['dense'\]"):
     tta.merge_results([runs, runs], ["r.json", "r2.json"])
 

@@ -294,6 +294,33 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   np.testing.assert_array_equal(np.asarray(got.comm_state.feedback.velocity), velocity)
 
 
+def test_lars_first_is_optax_lars_decay_and_trust_ratio(rng):
+  """`lars_first` hands its inner transform optax.lars's direction before the learning rate:
+  the masked weight decay, then each kernel's trust ratio (a zero kernel keeps ratio 1), on
+  fresh random leaves of odd sizes, against optax's own transforms on the pytree."""
+  from sparsejax import optim
+  shapes = {"conv": {"kernel": (3, 3, 5, 7), "bias": (7,)}, "dense": {"kernel": (13, 11)},
+            "zero": {"kernel": (4, 6)}, "norm": {"scale": (9,)}}
+  params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  params["zero"]["kernel"] = jnp.zeros((4, 6), jnp.float32)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32),
+                       params)
+  layout = optim.flat_layout(params, pad_to=4)
+  wd, tc = 3e-3, 0.02
+  tx = optimizer_lib.lars_first(optax.identity(), wd, tc, layout)
+  flat_p = layout.ravel(params, jnp.float32)
+  got, _ = jax.jit(tx.update)(layout.ravel(grads, jnp.float32), tx.init(flat_p), flat_p)
+  want_tx = optax.chain(optax.add_decayed_weights(wd, decay_mask),
+                        optax.masked(optax.scale_by_trust_ratio(trust_coefficient=tc),
+                                     decay_mask))
+  want, _ = want_tx.update(grads, want_tx.init(params), params)
+  for a, b in zip(jax.tree.leaves(layout.unravel(got)), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+  zero = layout.unravel(got)["zero"]["kernel"]  # ratio 1 on a zero kernel: the gradient
+  np.testing.assert_array_equal(np.asarray(zero), np.asarray(grads["zero"]["kernel"]))
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov):
   """LARS with momentum correction (each worker's decay and trust ratio in front of the

@@ -122,8 +122,8 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "error_feedback": True,
       # DGC momentum correction: the SGD momentum (and weight decay) is accumulated before top-k
       # selection instead of in the optimizer (optimizer sgd with momentum > 0; lars: each
-      # worker's decayed, trust-ratio-scaled gradient); with adamw, each worker's Adam moments. No effect with the dense algorithms (nothing is delayed
-      # there).
+      # worker's decayed, trust-ratio-scaled gradient); with adamw, each worker's Adam moments.
+      # No effect with the dense algorithms (nothing is delayed there).
       "momentum_correction": False,
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sparsejax import optim
@@ -208,21 +209,22 @@ def lars_first(inner: optax.GradientTransformation, weight_decay: float,
   With momentum correction in `inner` and an SGD without momentum behind it, that is LARS with
   each worker's momentum accumulated before the selection: a coordinate sent late moves as far
   as LARS would have moved it. The trust ratio is each worker's own (from its gradient, as
-  the norm of the mean gradient is only known after a dense exchange). Its state is `inner`'s."""
-  mask = decay_mask(layout.shape_tree())
-
-  def direction(g, p, m):
-    if not m:
-      return g
-    d = g + weight_decay * p if weight_decay else g
-    param_norm, update_norm = jnp.linalg.norm(p), jnp.linalg.norm(d)
-    ratio = trust_coefficient * param_norm / update_norm
-    return d * jnp.where((param_norm == 0) | (update_norm == 0), 1.0, ratio)
+  the norm of the mean gradient is only known after a dense exchange). On the flat buffer: the
+  per-leaf norms are segment sums. Its state is `inner`'s."""
+  segments = layout.segment_ids  # (padding: segment num_leaves, never scaled)
+  flags = np.append(layout.leaf_flags(decay_mask), False)
+  kernel = flags[segments]
 
   def update_fn(updates, state, params=None, **extra_args):
-    grads, values = layout.unravel(updates), layout.unravel(params)
-    grads = jax.tree.map(direction, grads, values, mask)
-    return inner.update(layout.ravel(grads, jnp.float32), state, params, **extra_args)
+    g, p = updates.astype(jnp.float32), params.astype(jnp.float32)
+    d = jnp.where(kernel, g + weight_decay * p, g) if weight_decay else g
+    norm = lambda x: jnp.sqrt(jax.ops.segment_sum(x * x, segments,  # noqa: E731
+                                                  len(flags)))
+    param_norm, update_norm = norm(p), norm(d)
+    ratio = jnp.where(flags & (param_norm > 0) & (update_norm > 0),
+                      trust_coefficient * param_norm / jnp.where(update_norm > 0, update_norm, 1),
+                      1.0)
+    return inner.update(d * ratio[segments], state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 

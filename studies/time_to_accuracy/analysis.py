@@ -175,11 +175,13 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
                 "bandwidth and density level (not trained end to end, except the "
                 f"{headline} column, whose end-to-end train time is in the table above); dense "
                 "exchange / compute ratio in the header:", "",
-                "| system | " + " | ".join(f"{b} ({ratio_row.get(b, float('nan')):.2g})"
-                                            for b in have) + " |",
+                "| system | " + " | ".join(f"{b} ({ratio_row[b]:.2g})" if b in ratio_row
+                                            else b for b in have) + " |",
                 "|---|" + "---:|" * len(have)]
       for system, e in analysis.items():
-        cells = [_fmt_range(e["predicted_time_to_target_s"].get(b, [None])) for b in have]
+        predicted = e["predicted_time_to_target_s"]  # (none for auto measuring: its forms
+        # follow the link, so it is timed end to end only, in the table above)
+        cells = [_fmt_range(predicted[b]) if b in predicted else "not swept" for b in have]
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
       for over in ("dense", "torch-ddp"):
         ups = speedups(analysis, over)

@@ -390,8 +390,9 @@ SAME_TASK = ("task", "target", "target_metric", "config", "sets", "nodes", "loca
 def merge_results(parts: list[dict], names: list[str]) -> dict:
   """One results dict from the results of several study commands on the same task: the first's
   meta (its bandwidths and headline), every file's systems, runs, sweeps and parity rounds, and
-  each command in the footer. A ValueError names a file whose task differs (a `SAME_TASK` key)
-  or whose system is already in an earlier file."""
+  each command in the footer. A ValueError names a file whose task differs (a `SAME_TASK` key),
+  whose runs were trained at another headline link (or stopped at the target where the first's
+  were not), or whose system is already in an earlier file."""
   merged = {k: v for k, v in parts[0].items() if k not in ("analysis", "exchange_over_compute")}
   merged["meta"] = dict(parts[0]["meta"])
   for part, name in zip(parts[1:], names[1:]):
@@ -399,6 +400,12 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
       if part["meta"].get(key) != merged["meta"].get(key):
         raise ValueError(f"{name} is another task: its meta {key} is "
                          f"{part['meta'].get(key)!r}, {names[0]}'s {merged['meta'].get(key)!r}")
+    if part.get("train"):  # runs trained at another link, or stopped at the target
+      for key in ("headline", "link_change", "stop_at_target"):
+        if part["meta"].get(key) != merged["meta"].get(key):
+          raise ValueError(f"{name}'s runs were trained otherwise: its meta {key} is "
+                           f"{part['meta'].get(key)!r}, {names[0]}'s "
+                           f"{merged['meta'].get(key)!r}")
     twice = set(part.get("systems", [])) & set(merged.get("systems", []))
     if twice and part.get("train"):
       raise ValueError(f"{name} runs systems already in an earlier file: {sorted(twice)}")

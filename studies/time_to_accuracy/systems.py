@@ -60,7 +60,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                              "compression.momentum_correction": True,
                              "experimental.momentum_masking": False}),
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05}),
-    # the CNN task's (LARS: no momentum correction): HiTopKComm 0.001 or its dense form
+    # the CNN task's without momentum correction: HiTopKComm 0.001 or its dense form
     "auto-0.001": ("jax", {"compression.algorithm": "auto", "compression.density": 0.001}),
     "higtopk-0.001": ("jax", {"compression.algorithm": "higtopk",
                               "compression.density": 0.001}),
