@@ -55,7 +55,7 @@ from sparsejax import cpu_kernels
 from sparsejax.flat import FlatLayout
 
 __all__ = ["DEFAULT_ALIGN", "FusedMomentumState", "FusedAdamState", "fused_sgd", "fused_lars",
-           "fused_lamb", "fused_adamw", "flat_layout"]
+           "fused_lamb", "fused_adamw", "flat_layout", "lars_direction"]
 
 # Row width of the layouts built here: every leaf starts at a multiple of it. Rows of 256 float32
 # values keep row reductions vectorised on CPU and cost at most 255 padding values per leaf.
@@ -596,6 +596,29 @@ def fused_lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule =
     return us, FusedMomentumState(optax.safe_increment(state.count), trace)
 
   return _make("fused_lars", init_state, update_flat, kernel, plan_for, layout, needs_params=True)
+
+
+def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_mask: Any = True,
+                   trust_coefficient: Scalar = 0.001, eps: Scalar = 0.0,
+                   trust_ratio_mask: Any = True) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`(g, p) -> direction` on the flat face of `layout`: optax.lars's update before its learning
+  rate and momentum, `(g + weight_decay * p)` times each leaf's trust ratio (`fused_lars`'s
+  pieces; for momentum correction, where each worker scales its own gradient before the
+  exchange)."""
+  weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
+  trust_coefficient = _check_scalar("trust_coefficient", trust_coefficient, 0.0)
+  eps = _check_scalar("eps", eps, 0.0)
+  plan = _make_plan(layout, _check_mask("weight_decay_mask", weight_decay_mask),
+                    _check_mask("trust_ratio_mask", trust_ratio_mask),
+                    decay_mask_name="weight_decay_mask")
+
+  def direction(g: jax.Array, p: jax.Array) -> jax.Array:
+    g, p = g.astype(jnp.float32), p.astype(jnp.float32)
+    d = g + _decay(plan, jnp.float32(weight_decay)) * p
+    param_norm, update_norm = _leaf_norms(plan, p, d)
+    return d * _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
+
+  return direction
 
 
 # ----------------------------------------------------------------------------- Adam family

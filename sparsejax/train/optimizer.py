@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from sparsejax import optim
@@ -209,22 +208,13 @@ def lars_first(inner: optax.GradientTransformation, weight_decay: float,
   With momentum correction in `inner` and an SGD without momentum behind it, that is LARS with
   each worker's momentum accumulated before the selection: a coordinate sent late moves as far
   as LARS would have moved it. The trust ratio is each worker's own (from its gradient, as
-  the norm of the mean gradient is only known after a dense exchange). On the flat buffer: the
-  per-leaf norms are segment sums. Its state is `inner`'s."""
-  segments = layout.segment_ids  # (padding: segment num_leaves, never scaled)
-  flags = np.append(layout.leaf_flags(decay_mask), False)
-  kernel = flags[segments]
+  the norm of the mean gradient is only known after a dense exchange): `optim.lars_direction`.
+  Its state is `inner`'s."""
+  direction = optim.lars_direction(layout, weight_decay, decay_mask, trust_coefficient,
+                                   trust_ratio_mask=decay_mask)
 
   def update_fn(updates, state, params=None, **extra_args):
-    g, p = updates.astype(jnp.float32), params.astype(jnp.float32)
-    d = jnp.where(kernel, g + weight_decay * p, g) if weight_decay else g
-    norm = lambda x: jnp.sqrt(jax.ops.segment_sum(x * x, segments,  # noqa: E731
-                                                  len(flags)))
-    param_norm, update_norm = norm(p), norm(d)
-    ratio = jnp.where(flags & (param_norm > 0) & (update_norm > 0),
-                      trust_coefficient * param_norm / jnp.where(update_norm > 0, update_norm, 1),
-                      1.0)
-    return inner.update(d * ratio[segments], state, params, **extra_args)
+    return inner.update(direction(updates, params), state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
