@@ -295,18 +295,27 @@ def test_a_dense_start_then_measured_runs_dense_first_and_measures_from_there(tm
 
 
 @pytest.mark.integration
-def test_a_new_image_size_is_measured_afresh(tmp_path):
+def test_a_new_image_size_times_the_form_in_force_and_moves_the_other(tmp_path):
   """Progressive resizing (8 px, then 6 from step 13): the first step at the new size measures
-  again, outside the budget's cadence, timing both forms at that size (the step times of the
-  old size are another step's), and says so in its entry."""
-  summary = train_and_evaluate(auto_config(**{
-      "data.resize_schedule": ((0, 8), (13 / STEPS_PER_EPOCH, 6)),
-      "auto.schedule": ((0, "measured"),)}), str(tmp_path), progress=False)
+  again, outside the budget's cadence, timing the form in force at that size; the other form's
+  step less its exchange (its rest) moves by the same change as the timed form's (only the
+  forward and backward pass depends on the input's size), and the entry says so."""
+  config = auto_config(**{"data.resize_schedule": ((0, 8), (13 / STEPS_PER_EPOCH, 6)),
+                          "auto.schedule": ((0, "measured"),)})
+  summary = train_and_evaluate(config, str(tmp_path), progress=False)
   choices = summary["exchange_choices"]
   assert [c["step"] for c in choices] == [0, 13], choices
   assert "input_shape" not in choices[0] and choices[1]["input_shape"][1:3] == [6, 6]
   assert all(c["why"] == "measured" and c["how"].startswith("timed") for c in choices)
-  assert "; link read twice (" in choices[1]["how"]  # (nothing kept to check a read against)
+  form = choices[1]["measured"]
+  other = "sparse" if form == "dense" else "dense"
+  assert form == choices[0]["form"]  # the form in force, timed; the other moved, not timed
+  assert f"; {other} moved by " in choices[1]["how"], choices[1]
+
+  # (each form's step less its modelled exchange: what the link does not change)
+  before, after = ({f: c[f"{f}_rest_ms"] for f in auto.FORMS} for c in choices)
+  assert after[other] - before[other] == pytest.approx(after[form] - before[form], abs=1e-9)
+  assert after[form] != before[form]
 
 
 @pytest.mark.integration

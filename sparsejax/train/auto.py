@@ -11,7 +11,9 @@ process's, so all processes choose alike):
   the step  the whole train step of a form, as the run takes it: at the first measurement
             both forms' compiled steps timed on a copy of the state; later the form in force,
             observed over the steps since the last measurement (evaluations and checkpoints
-            left out; a window restarts where the level changes);
+            left out; a window restarts where the level changes); at a new input size
+            (progressive resizing) the form in force timed there and the other's step moved
+            by the same change (only the forward and backward pass depends on the input);
   link      an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
             that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
             bandwidth (`fit_link`);
@@ -154,6 +156,15 @@ def with_run_costs(observed: dict[str, float], form: str, timed: dict[str, float
   # error to the other form)
   added = max(observed[form] - timed.get(form, observed[form]), 0.0)
   return {**observed, **{f: r + added for f, r in timed.items() if f not in seen}}
+
+
+def _moved(before: dict[str, float], form: str, rest_s: float) -> tuple[float, float]:
+  """The other form's rest at a new input size (progressive resizing), `form`'s timed there as
+  `rest_s`: its rest timed at the old size (`before`, both forms') moved by `form`'s change
+  (the forward and backward pass is both forms' and the only part the input's size changes;
+  the exchange and the selection work on the parameters). Returns (the rest, the change)."""
+  change = rest_s - before[form]
+  return before[_other(form)] + change, change
 
 
 def lag_steps(spread: float, density: float) -> float:
@@ -450,6 +461,8 @@ class AutoExchange:
     self._timed: dict[str, float] = {}  # each form's rest as timed on a copy
     self._rest_link: dict[str, Link] = {}  # the link each form's rest was taken at
     self._seen: set[str] = set()  # the forms observed in the run
+    # each form's timed rest at the input size before a resize, until the measurement there
+    self._resized_from: dict[str, float] | None = None
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self.probe_s = 0.0  # the last measurement's probes, wall seconds (the slowest process's)
     self._start = 0.0  # when the measurement under way started (after the window's steps)
@@ -642,7 +655,9 @@ class AutoExchange:
     # (once where its exchange alone is FAR_OFF times this step: not a close call, and at 500
     # Mbit/s three dense steps of the MNIST MLP cost more than 20 sparse ones)
     far = False
-    if other not in self._rest or self._stale(other, link):
+    moving = self._resized_from is not None and set(self._resized_from) == set(FORMS)
+    if other not in self._rest or self._stale(other, link) or (
+        self._resized_from is not None and not moving):
       far = self._exchange(link)[other] >= self.FAR_OFF * step_s
       steps[other] = self._time_step(self._level_of(other, step), state, batch,
                                      reps=1 if far else PROBE_REPS)
@@ -689,12 +704,18 @@ class AutoExchange:
     else:  # (no window, or one at a warm-up level far from the final density)
       observed = None
       form, steps, how, link = self._timed_steps(step, read, probe_s, state, batch)
+    other = _other(form)
+    now = {f: s - self._exchange(link)[f] for f, s in steps.items()}  # (`rests`)
+    self._rest_link.update(dict.fromkeys(now, link))
+    if self._resized_from is not None:  # the first measurement at a new input size
+      if observed is None and len(now) == 1:
+        now[other], moved = _moved(self._resized_from, form, now[form])
+        how += f"; {other} moved by {1e3 * moved:+.1f} ms (the new input size)"
+      self._resized_from = None
     how += reread
     if link != read:
       how += f"; the probes' link, {8e-6 * read.bytes_per_s:.3g} Mbit/s, raised to fit the steps"
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
-    now = {f: s - self._exchange(link)[f] for f, s in steps.items()}  # (`rests`)
-    self._rest_link.update(dict.fromkeys(now, link))
     if observed is None:
       self._timed.update(now)
     else:
@@ -732,15 +753,15 @@ class AutoExchange:
     return other
 
   def _resized(self, batch: Sequence[jax.Array]) -> bool:
-    """Whether the input's shape changed since the last step (progressive resizing): every
-    step time taken at the old size is then another step's, so it is dropped, the window with
-    it, and the run measures again now (both forms timed, as at the first measurement)."""
+    """Whether the input's shape changed since the last step (progressive resizing): the run
+    then measures again now, outside the cadence. Only the compute changes with the input, not
+    the exchange (the parameters are the same), so the form in force is timed at the new size
+    and the other form's rest moved by the same difference (`_moved`); what the run added to
+    each step at the old size, and the window, are dropped."""
     before, self._shape = self._shape, _shape_of(batch)
     if before is None or before == self._shape:
       return False
-    self._rest.clear()
-    self._timed.clear()
-    self._rest_link.clear()
+    self._resized_from = dict(self._timed)  # each form's rest timed at the old size
     self._seen.clear()
     self._window, self._open_at = None, None
     return True
@@ -774,7 +795,9 @@ class AutoExchange:
                    call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,
                    measured_step_ms=1e3 * m.step_s,
                    how=m.how, dense_step_ms=1e3 * step_s["dense"],
-                   sparse_step_ms=1e3 * step_s["sparse"], spread=m.spread, lag_steps=lag,
+                   sparse_step_ms=1e3 * step_s["sparse"],
+                   **{f"{f}_rest_ms": 1e3 * r for f, r in self._rest.items()},
+                   spread=m.spread, lag_steps=lag,
                    remaining_steps=remaining, step_factor=factor,
                    factor_from=("auto.step_factor" if a.step_factor else
                                 "lag" if factor > a.min_step_factor else "auto.min_step_factor"),
