@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["pin_to_core", "exclusive", "running", "wait_all", "TimedLog", "RUN_TOKEN",
+__all__ = ["pin_to_core", "pinning", "exclusive", "running", "wait_all", "TimedLog", "RUN_TOKEN",
            "launched_pids", "launch_workers", "ROOT", "portable_path", "resolve", "command_line",
            "spread", "footer", "json_path", "write_atomic", "write_results"]
 
@@ -43,6 +43,24 @@ def pin_to_core(index: int) -> None:
       os.sched_setaffinity(int(tid), core)
     except OSError:  # the thread has ended
       pass
+
+
+def pinning(processes: int, cores: int) -> str:
+  """How `processes` processes pinned by `pin_to_core(0)` ... `pin_to_core(processes - 1)` share
+  `cores` cores (round-robin: process i on core i modulo `cores`), in words for a table: "one
+  pinned to each core", "each pinned to a core of its own (2 of 16)", "4 pinned to each of 2
+  cores", "2 or 3 pinned to each of 2 cores"."""
+  for name, value in (("processes", processes), ("cores", cores)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+  if processes == cores:
+    return "one pinned to each core"
+  if processes < cores:
+    return f"each pinned to a core of its own ({processes} of {cores})"
+  fewest, more = divmod(processes, cores)
+  if not more:
+    return f"{fewest} pinned to each of {cores} cores"
+  return f"{fewest} or {fewest + 1} pinned to each of {cores} cores"
 
 
 @contextlib.contextmanager
