@@ -87,11 +87,88 @@ def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
   got, _ = quick
   assert {(r["system"], r["bandwidth"]) for r in got["sweep"] if r["system"] == "torch-ddp"} == {
       ("torch-ddp", "unlimited"), ("torch-ddp", "200mbit")}
+  assert got["meta"]["nodes"] == 2  # (the committed config's mesh.nodes)
   for runtime in ("jax", "torch"):  # both nodes' processes timed at once, the median kept
     nodes = got["parity"][0][runtime]["nodes_step_s"]
-    assert len(nodes) == tta_systems.NODES and min(nodes) > 0
+    assert len(nodes) == 2 and min(nodes) > 0
     assert got["parity"][0][runtime]["step_s"] == pytest.approx(float(np.median(nodes)))
   assert "torch-ddp" in got["analysis"]
+
+
+def test_the_study_trains_on_four_nodes_when_the_config_says_so(tmp_path):
+  """`--set mesh.nodes=4` on a 2-core machine: four emulated nodes, one process each, pinned
+  round-robin (two to a core); the sparsejax system (and PyTorch DDP, a gloo world of four, with
+  the parity phase's four processes, where PyTorch is installed) trains the quick recipe, every
+  link is swept, the results record the node count, and no namespace is left."""
+  need_root("study")
+  out = tmp_path / "tta4.json"
+  systems = "hitopk-0.01" + (",torch-ddp" if HAVE_TORCH else "")
+  phases = "parity,runs" if HAVE_TORCH else "runs"
+  assert tta.main(["--quick", "--set", "mesh.nodes=4", "--systems", systems, "--phases", phases,
+                   "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert got["meta"]["nodes"] == 4 and "mesh.nodes=4" in got["meta"]["sets"]
+  assert [r["system"] for r in got["train"]] == systems.split(",")
+  for run in got["train"]:
+    assert run["curve"][-1]["step"] == run["total_steps"]
+    assert run["curve"][-1]["accuracy"] > 0.3
+    assert run["curve"][-1]["node0_link_bytes"] > 0
+  assert {(r["system"], r["bandwidth"]) for r in got["sweep"]} == {
+      (s, b) for s in systems.split(",") for b in ("unlimited", "200mbit")}
+  assert cluster.EmulatedCluster.leftovers("tta") == []
+  if HAVE_TORCH:
+    cores = len(os.sched_getaffinity(0))
+    for runtime, each in (("jax", "1 CPU devices each"), ("torch", "1 thread each")):
+      parity = got["parity"][0][runtime]
+      assert len(parity["nodes_step_s"]) == 4 and min(parity["nodes_step_s"]) > 0
+      assert parity["batch_per_process"] == 64 // 4
+      assert parity["layout"] == f"4 processes at once, {bench.pinning(4, cores)}, {each}"
+
+
+def test_a_node_count_the_study_cannot_run_is_refused_before_any_run(tmp_path, capsys):
+  """mesh.nodes below 2 or above the cluster's 200, or a global batch that the nodes x local
+  workers cannot share evenly, end the command at once naming the values; nothing is written."""
+  for sets, says in ((["mesh.nodes=3"], "batch_size = 64 is not divisible by mesh.nodes x "
+                      "mesh.local = 3 x 1 = 3"),
+                     (["mesh.nodes=1"], "mesh.nodes = 1: the study runs one process on each of "
+                      "2 to 200 emulated nodes"),
+                     (["mesh.nodes=256", "batch_size=256"], "mesh.nodes = 256"),
+                     (["mesh.local=-1"], "mesh.local = -1")):
+    with pytest.raises(SystemExit) as exit_:
+      tta.main(["--quick", "--systems", "dense", "--phases", "runs", "--out",
+                str(tmp_path / "tta.json"), *[f"--set={s}" for s in sets]])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+  # a system's own overrides may not move it off the task's nodes
+  with pytest.raises(SystemExit):
+    tta.main(["--quick", "--systems", "dense,dense+mesh.nodes=4", "--phases", "runs", "--out",
+              str(tmp_path / "tta.json")])
+  assert "system 'dense+mesh.nodes=4' sets mesh.nodes = 4: every system runs on the task's 2 " \
+      "nodes" in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_the_task_config_follows_its_node_count():
+  """load_task: mesh.num_devices follows mesh.nodes x mesh.local (each process's devices come
+  from the launcher), for the cluster's config and the parity phase's one-node config."""
+  assert tta_systems.load_task(CONFIG, []).mesh.num_devices == 2
+  eight = tta_systems.load_task(CONFIG, ["mesh.nodes=8", "mesh.local=2"])
+  assert (eight.mesh.nodes, eight.mesh.num_devices) == (8, 16)
+  tta_systems.check_mesh(eight)  # (batch 256 over 16 workers)
+  one = tta_systems.load_task(CONFIG, ["mesh.nodes=1", "mesh.local=2"])
+  assert one.mesh.num_devices == 2
+
+
+def test_the_parity_layout_says_how_the_processes_share_the_cores():
+  assert tta.parity_layout("jax", 2, 2, 1) == ("2 processes at once, one pinned to each core, "
+                                               "1 CPU devices each")  # (as before)
+  assert tta.parity_layout("torch", 8, 2, 1) == ("8 processes at once, 4 pinned to each of 2 "
+                                                 "cores, 1 thread each")
+  meta = {"nodes": 8, "cpus": 2}
+  assert tta_analysis._parity_processes(meta) == ("all 8 nodes' processes at once, sharing the "
+                                                  "cores round-robin")
+  assert tta_analysis._parity_processes({"cpus": 2}) == (
+      "each node's process on its own core at once")  # (results before meta had nodes)
 
 
 def test_a_failed_parity_process_stops_its_sibling_at_once():

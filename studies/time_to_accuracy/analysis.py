@@ -138,7 +138,7 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
     jax_ms = [r["jax"]["step_s"] * 1e3 for r in results["parity"]]
     torch_ms = [r["torch"]["step_s"] * 1e3 for r in results["parity"]]
     p = results["parity"][0]
-    lines += ["Compute-only step, each node's process on its own core at once, no communication "
+    lines += [f"Compute-only step, {_parity_processes(results['meta'])}, no communication "
               f"(batch {p['jax']['batch_per_process']} per process), min / median / max over "
               f"{len(ratios)} alternated process runs:", "",
               "| runtime | layout | ms per step | JAX / PyTorch |", "|---|---|---:|---:|",
@@ -207,6 +207,16 @@ def make_tables(results: dict, analysis: dict, headline: str) -> str:
   m = results["meta"]
   lines += ["", footer(m)]
   return "\n".join(lines)
+
+
+def _parity_processes(meta: dict) -> str:
+  """Where the parity phase's processes ran: each on its own core, or, with more nodes than the
+  machine's cores, sharing them round-robin (the layout column says how many to a core).
+  Results written before meta had `nodes` ran on 2."""
+  nodes = meta.get("nodes", 2)
+  if nodes <= meta.get("cpus", nodes):
+    return "each node's process on its own core at once"
+  return f"all {nodes} nodes' processes at once, sharing the cores round-robin"
 
 
 def pipeline_overlap(results: dict) -> dict[str, dict[str, dict[str, list[float]]]]:
@@ -331,7 +341,8 @@ def plot(results: dict, analysis: dict, png: str) -> None:
   what = {"accuracy": "test accuracy", "loss": "validation loss"}.get(target_metric(results),
                                                                      target_metric(results))
   ax.set_ylabel(f"time to {what} {results['meta']['target']} (s, median of seeds)")
-  ax.set_title(f"Time to target on 2 emulated nodes: {results['meta']['task']}\n"
+  ax.set_title(f"Time to target on {results['meta'].get('nodes', 2)} emulated nodes: "
+               f"{results['meta']['task']}\n"
                f"(steps to target at {results['meta']['headline']} x step time measured at each "
                "link)", fontsize=10)
   ax.legend(fontsize=8)

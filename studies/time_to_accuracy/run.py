@@ -18,22 +18,25 @@ same model (`mlp` or `transformer_lm`, the same initialisation), reads the same 
 data (sparsejax's inputs for each step), and uses the same learning-rate schedule, optimizer and
 weight decay (kernels only).
 
-The cluster (link-bound by design): 2 nodes (`EmulatedCluster`, a network namespace each, tc tbf
-on both ends of each node's link), one process per node pinned to its own core (this machine has
-2: no more busy processes than cores), each sparsejax process with `mesh.local` CPU devices (the
-fast intra-node axis stays inside the process), each PyTorch process one thread with the node's
-share of the batch. Phases:
+The cluster (link-bound by design): the task's `mesh.nodes` nodes (2 in the committed configs;
+`--set mesh.nodes=8` for 8, up to 200, the global batch divisible by nodes x `mesh.local`)
+(`EmulatedCluster`, a network namespace each, tc tbf on both ends of each node's link), one
+process per node, pinned to a core: node i's to core i modulo the cores (this machine has 2: with
+2 nodes no more busy processes than cores; with more, the processes share the cores round-robin,
+as the parity table's layout says), each sparsejax process with `mesh.local` CPU devices (the fast
+intra-node axis stays inside the process), each PyTorch process one thread with the node's share
+of the batch. Phases:
 
-  parity  compute only, no cluster: each node's process on its own core at once (pinned as the
-          runs pin them), the sparsejax trainer's step on a (1, local) mesh vs PyTorch's step,
-          same model and per-process batch; alternated rounds, the ratio per round.
+  parity  compute only, no cluster: every node's process at once (pinned as the runs pin them),
+          the sparsejax trainer's step on a (1, local) mesh vs PyTorch's step, same model and
+          per-process batch; alternated rounds, the ratio per round.
   runs    one process run per system and seed, in two parts:
           train: the whole recipe on the cluster at `--headline` bandwidth, evaluating every
           `eval_every_steps` with the clock stopped (state synchronised first): steps and train
           time to the target, final accuracy, bytes that crossed node 0's link (its interface
           counter);
           sweep: then, in the same processes, the step time at every `--bandwidths` value (rank 0
-          changes the link's limit in place, both processes waiting at a barrier) and, for the
+          changes every link's limit in place, the others waiting at a barrier) and, for the
           sparse exchanges, at every density level its warm-up passes through.
 
 Time to target at bandwidth b = sum over the density levels of (steps to target at that level) x
@@ -72,6 +75,7 @@ from sparsejax.bench import (  # noqa: E402  # noqa: E402
   json_path,
   launch_workers,  # noqa: E402
   pin_to_core,
+  pinning,
   portable_path,
   wait_all,
   write_results,
@@ -80,10 +84,10 @@ from studies.time_to_accuracy.analysis import report, steps_to_target  # noqa: E
 from studies.time_to_accuracy.jax_runner import JaxRun  # noqa: E402 (sparsejax's runner)
 from studies.time_to_accuracy.systems import (  # noqa: E402
   DEFAULT_BANDWIDTHS,
-  NODES,
   PEERS_INSTALL,
   QUICK_SETS,
   SYSTEMS,
+  check_mesh,
   level_steps,
   levels_to,
   load_task,
@@ -107,7 +111,8 @@ def _barrier_jax(name: str) -> None:
 # ----------------------------------------------------------------------------- workers
 
 def _worker_setup(args):
-  """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core."""
+  """(config, run, rank, is_lead) in a cluster worker, pinned to its node's core (node i on core
+  i modulo the cores: round-robin where the nodes outnumber them)."""
   rank = int(os.environ["SPARSEJAX_PROCESS_ID"])
   runtime, options = system_spec(args.system)
   config = load_task(args.config, json.loads(args.sets), args.system, args.seed)
@@ -126,8 +131,8 @@ def _worker_setup(args):
     pin_to_core(rank)
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['SPARSEJAX_COORDINATOR']}",
-                            rank=rank, world_size=NODES)
-    run = TorchRun(config, rank, NODES, options["powersgd"])
+                            rank=rank, world_size=config.mesh.nodes)
+    run = TorchRun(config, rank, config.mesh.nodes, options["powersgd"])
   return config, run, rank, rank == 0
 
 
@@ -154,7 +159,7 @@ def run_worker(args) -> None:
     row["exchange_choices"] = auto.history
   from sparsejax.train.auto import measuring
   measuring = auto is not None and measuring(config)
-  row["sweep"] = [] if measuring else sweep_phase(args, run, lead)
+  row["sweep"] = [] if measuring else sweep_phase(args, run, lead, config.mesh.nodes)
   if lead:
     with open(args.worker_out, "w") as f:
       json.dump([row], f)
@@ -182,7 +187,7 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
       with aside():
         run.wait()
         train_s += time.perf_counter() - seg
-        _set_link(run, args, lead, change["bps"])
+        _set_link(run, args, lead, change["bps"], config.mesh.nodes)
       seg = time.perf_counter()
     run.step(step)
     done = step + 1
@@ -202,23 +207,24 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
   return curve
 
 
-def _set_link(run, args, lead: bool, bps: int | None) -> None:
-  """The lead sets both nodes' link rate while the others wait (a barrier either side)."""
+def _set_link(run, args, lead: bool, bps: int | None, nodes: int) -> None:
+  """The lead sets the link rate of all `nodes` nodes while the others wait (a barrier either
+  side)."""
   from sparsejax import cluster
   _barrier(run)
   if lead:
-    cluster.set_link_rate(args.cluster_prefix, NODES, bps)
+    cluster.set_link_rate(args.cluster_prefix, nodes, bps)
   _barrier(run)
 
 
-def sweep_phase(args, run, lead: bool) -> list[dict]:
+def sweep_phase(args, run, lead: bool, nodes: int) -> list[dict]:
   """Step times at every bandwidth (rank 0 changes the link between phases, the others wait at
   a barrier) and at every density level; the link is set back to the headline rate after."""
   bandwidths = json.loads(args.bandwidths) + [["headline", json.loads(args.headline)]]
   levels = json.loads(args.levels)  # [[density, a step that runs at it(, image size)], ...]
   rows = []
   for name, bps in bandwidths:
-    _set_link(run, args, lead, bps)
+    _set_link(run, args, lead, bps, nodes)
     if name == "headline":
       break
     for density, at_step, *size in levels:
@@ -245,14 +251,16 @@ def sweep_phase(args, run, lead: bool) -> list[dict]:
 
 def parity_worker(args) -> None:
   """Compute only: the node's share of the batch, no communication, pinned to its core as the
-  cluster's workers are (JAX after XLA starts), while the other node's process does the same
-  on the other core (a start barrier in `--parity-dir`): the machine loaded as in the runs."""
+  cluster's workers are (JAX after XLA starts; round-robin where the nodes outnumber the
+  cores), while the other nodes' processes do the same (a start barrier in `--parity-dir`): the
+  machine loaded as in the runs."""
   node = args.parity_node
   sets = json.loads(args.sets)
   base = load_task(args.config, sets)
-  per_process = [f"batch_size={base.batch_size // NODES}", "mesh.nodes=1",
+  nodes, cores = base.mesh.nodes, len(os.sched_getaffinity(0))  # (the cores before pinning)
+  per_process = [f"batch_size={base.batch_size // nodes}", "mesh.nodes=1",
                  f"mesh.local={base.mesh.local}", "compression.algorithm=dense"]
-  config = load_task(args.config, sets + per_process)
+  config = load_task(args.config, sets + per_process)  # (mesh.num_devices: mesh.local)
   if args.system == "jax":
     import jax
     jax.config.update("jax_num_cpu_devices", config.mesh.local)
@@ -271,8 +279,8 @@ def parity_worker(args) -> None:
     for i in range(start, start + PARITY_WARMUP):
       run.step(i)
       run.wait()
-    # both nodes start each size's timed steps together (the machine loaded as in the runs)
-    _file_barrier(os.path.join(args.parity_dir, f"size{n}"), node, NODES)
+    # every node starts each size's timed steps together (the machine loaded as in the runs)
+    _file_barrier(os.path.join(args.parity_dir, f"size{n}"), node, nodes)
     times = []
     for i in range(start + PARITY_WARMUP, start + PARITY_WARMUP + max(args.reps, PARITY_REPS)):
       t0 = time.perf_counter()
@@ -286,10 +294,14 @@ def parity_worker(args) -> None:
                **({"step_s_by_size": {str(k): v for k, v in by_size.items()}}
                   if len(by_size) > 1 else {}),
                "batch_per_process": config.batch_size,
-               "layout": (f"{NODES} processes at once, one pinned to each core, "
-                          f"{config.mesh.local} CPU devices each" if args.system == "jax"
-                          else f"{NODES} processes at once, one pinned to each core, "
-                          "1 thread each")}, f)
+               "layout": parity_layout(args.system, nodes, cores, config.mesh.local)}, f)
+
+
+def parity_layout(runtime: str, nodes: int, cores: int, local: int) -> str:
+  """The parity phase's layout in words: "8 processes at once, 4 pinned to each of 2 cores, 1
+  CPU devices each" (PyTorch: "1 thread each")."""
+  each = f"{local} CPU devices each" if runtime == "jax" else "1 thread each"
+  return f"{nodes} processes at once, {pinning(nodes, cores)}, {each}"
 
 
 def _file_barrier(directory: str, index: int, count: int, timeout_s: float = 600) -> None:
@@ -349,9 +361,9 @@ def _run_with_retry(c, system: str, seed: int, args, extra: list[str], log,
   return None
 
 
-def run_parity(args, log) -> list[dict]:
-  """Alternated JAX / PyTorch compute-only rounds, each round one process per node at once; a
-  runtime's step: the median of its nodes' medians; a ratio per round."""
+def run_parity(args, log, nodes: int) -> list[dict]:
+  """Alternated JAX / PyTorch compute-only rounds, each round one process per node (`nodes`) at
+  once; a runtime's step: the median of its nodes' medians; a ratio per round."""
   import tempfile
   rounds = []
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -364,16 +376,16 @@ def run_parity(args, log) -> list[dict]:
              "--config", args.config, "--sets", json.dumps(args.sets),
              "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
              "--parity-node", str(node), "--reps", str(args.reps)],
-            env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(NODES)]
+            env=env, stdout=log, stderr=subprocess.STDOUT) for node in range(nodes)]
         codes = wait_all(procs, 1200)
         if any(codes):
           raise RuntimeError(f"parity round {r}: {runtime} processes exited {codes}")
-        nodes = []
-        for node in range(NODES):
+        got = []
+        for node in range(nodes):
           with open(os.path.join(d, f"node{node}.json")) as g:
-            nodes.append(json.load(g))
-      row[runtime] = {**nodes[0], "step_s": statistics.median(n["step_s"] for n in nodes),
-                      "nodes_step_s": [n["step_s"] for n in nodes]}
+            got.append(json.load(g))
+      row[runtime] = {**got[0], "step_s": statistics.median(n["step_s"] for n in got),
+                      "nodes_step_s": [n["step_s"] for n in got]}
     row["jax_over_torch"] = row["jax"]["step_s"] / row["torch"]["step_s"]
     print(f"parity round {r}: jax {row['jax']['step_s'] * 1e3:.1f} ms, torch "
           f"{row['torch']['step_s'] * 1e3:.1f} ms, ratio {row['jax_over_torch']:.2f}", flush=True)
@@ -416,6 +428,18 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
         merged[key] = merged.get(key, []) + part[key]
     merged["meta"]["command"] += f"`, then `{part['meta']['command']}"
   return merged
+
+
+def check_system_mesh(system: str, task, nodes: int) -> None:
+  """Raises ValueError where `system`'s config (`task`) cannot run on the task's `nodes` nodes:
+  its own overrides change mesh.nodes, or its mesh or batch fails `check_mesh`."""
+  if task.mesh.nodes != nodes:
+    raise ValueError(f"system {system!r} sets mesh.nodes = {task.mesh.nodes}: every system runs "
+                     f"on the task's {nodes} nodes")
+  try:
+    check_mesh(task)
+  except ValueError as e:
+    raise ValueError(f"system {system!r}: {e}") from None
 
 
 def main(argv=None) -> int:
@@ -514,11 +538,12 @@ def drive(ap, args) -> int:
     headline = parse_bandwidths(args.headline)[0]
     config = load_task(args.config, args.sets)
     change = parse_link_change(args.link_change) if args.link_change else None
+    check_mesh(config)
+    for system in systems:  # (a system's +key=value overrides may change the mesh or batch)
+      check_system_mesh(system, load_task(args.config, args.sets, system), config.mesh.nodes)
   except ValueError as e:
     ap.error(str(e))
-  if config.mesh.nodes != NODES:
-    ap.error(f"the study runs on {NODES} emulated nodes; the config says mesh.nodes = "
-             f"{config.mesh.nodes}")
+  nodes = config.mesh.nodes
   if config.target_metric not in ("accuracy", "loss"):
     ap.error(f"the config must set target_metric = 'accuracy' or 'loss' (and target_value), "
              f"got {config.target_metric!r}")
@@ -534,7 +559,7 @@ def drive(ap, args) -> int:
       "headline": args.headline, "link_change": args.link_change,
       "stop_at_target": args.stop_at_target,
       "machine": platform.machine(), "cpus": os.cpu_count(),
-      "date": time.strftime("%Y-%m-%d"), "nodes": NODES, "local": config.mesh.local,
+      "date": time.strftime("%Y-%m-%d"), "nodes": nodes, "local": config.mesh.local,
       "batch_size": config.batch_size, "total_steps": total,
       "parameters": model_size(config, inputs),
       "command": command_line("studies/time_to_accuracy/run.py", args.argv)}}
@@ -544,11 +569,11 @@ def drive(ap, args) -> int:
   log = sys.stdout
   partial = os.path.splitext(args.out)[0] + ".partial.json"  # every finished run, as it ends
   if "parity" in phases:
-    results["parity"] = run_parity(args, log)
+    results["parity"] = run_parity(args, log, nodes)
   if "runs" in phases:
     results["train"], results["sweep"] = [], []
     # its own prefix family, so tests of other clusters running beside it never see it
-    with cluster.EmulatedCluster(NODES, headline[1], prefix=f"tta{uuid.uuid4().hex[:6]}") as c:
+    with cluster.EmulatedCluster(nodes, headline[1], prefix=f"tta{uuid.uuid4().hex[:6]}") as c:
       for seed in range(args.seeds):
         for system in systems:
           cfg = load_task(args.config, args.sets, system, seed)

@@ -1,7 +1,7 @@
 """The time-to-accuracy study's systems and task (run.py beside it drives them, analysis.py
 reads their results): each system's runtime and config overrides,
-the task's config with a system's overrides, the density each step runs at, and the link
-bandwidths named on the command line."""
+the task's config with a system's overrides and the mesh it may have (its node count: 2 to
+200), the density each step runs at, and the link bandwidths named on the command line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-NODES = 2
+# the emulated nodes, one process each: the task's mesh.nodes (the committed configs: 2) up to
+# what sparsejax.cluster.EmulatedCluster builds
+MIN_NODES, MAX_NODES = 2, 200
 KJV_STEPS_PER_EPOCH = 457  # the Transformer task's (configs/tta_kjv_lm.py): steps named below
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
 # density warm-up and error feedback.
@@ -159,7 +161,8 @@ def system_spec(name: str) -> tuple[str, dict[str, Any]]:
 
 def load_task(config_path: str, sets: list[str], system: str | None = None,
               seed: int | None = None):
-  """The validated config of the task (`--config` + `--set`), with `system`'s overrides."""
+  """The validated config of the task (`--config` + `--set`), with `system`'s overrides;
+  mesh.num_devices is mesh.nodes x mesh.local (the study's mesh, `check_mesh`)."""
   from sparsejax.train import config as config_lib
   overrides = list(sets)
   if system is not None and system_spec(system)[0] == "jax":
@@ -169,7 +172,28 @@ def load_task(config_path: str, sets: list[str], system: str | None = None,
   if seed is not None:
     overrides.append(f"seed={seed}")
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), overrides)
-  return config_lib.validate(tree)
+  config = config_lib.validate(tree)
+  # each process gets mesh.local devices from the launcher (the parity phase: from itself), so
+  # mesh.num_devices, the devices `sparsejax train` asks for in one process, follows the mesh
+  if config.mesh.nodes >= 1 and config.mesh.local >= 1:
+    config.mesh.num_devices = config.mesh.nodes * config.mesh.local
+  return config
+
+
+def check_mesh(config) -> None:
+  """Raises ValueError where the task's mesh cannot run on the emulated cluster: mesh.nodes (one
+  process per node) in [MIN_NODES, MAX_NODES], mesh.local >= 1, and the global batch divisible
+  by nodes x local (every worker the same share)."""
+  nodes, local, batch = config.mesh.nodes, config.mesh.local, config.batch_size
+  if not MIN_NODES <= nodes <= MAX_NODES:
+    raise ValueError(f"mesh.nodes = {nodes}: the study runs one process on each of "
+                     f"{MIN_NODES} to {MAX_NODES} emulated nodes (e.g. --set mesh.nodes=8)")
+  if local < 1:
+    raise ValueError(f"mesh.local = {local}: the study needs the workers per node, an integer "
+                     ">= 1")
+  if batch % (nodes * local):
+    raise ValueError(f"batch_size = {batch} is not divisible by mesh.nodes x mesh.local = "
+                     f"{nodes} x {local} = {nodes * local}; set a batch_size that is")
 
 
 def model_size(config, inputs=None) -> int:
