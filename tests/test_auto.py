@@ -164,6 +164,18 @@ def test_the_lag_weighs_less_the_longer_the_run_left():
   assert auto.step_factor(30.0, 0) == 31.0  # the last step: one step left
 
 
+@pytest.mark.parametrize("density, remaining", [(0.01, 468), (0.013, 37), (0.3, 5), (1.0, 3)])
+def test_the_spread_is_measured_only_where_it_can_raise_the_factor(density, remaining):
+  """The spread is at most 1 (a flat gradient): where even that lag leaves the factor at or
+  below the floor, no spread moves it, so the gradient pass is skipped; where it is above, some
+  spread in (0, 1] gives a factor above the floor."""
+  floor = 1.22
+  matters = auto.spread_matters(density, remaining, floor)
+  spreads = np.linspace(1e-3, 1.0, 97)
+  factors = [max(auto.step_factor(auto.lag_steps(s, density), remaining), floor) for s in spreads]
+  assert matters == any(f > floor for f in factors), (density, remaining, max(factors))
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"compression.algorithm": "fastest"}, "compression.algorithm.*auto"),
     ({"auto.sparse": "dense"}, "auto.sparse"),
@@ -329,8 +341,12 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
   for c in choices:
     assert c["why"] == "measured"
     assert c["select_ms"] > 0 and c["link_MBps"] > 0
-    # the lag's factor, never below auto.min_step_factor (1.22 by default), and which it was
-    lag_factor = auto.step_factor(c["lag_steps"], c["remaining_steps"])
+    # the lag's factor, never below auto.min_step_factor (1.22 by default), and which it was;
+    # the spread measured only where it could raise the factor above that
+    density = summary["config"]["compression"]["density"]
+    matters = auto.spread_matters(density, c["remaining_steps"], 1.22)
+    assert (c["spread"] is not None) == matters, c
+    lag_factor = auto.step_factor(c["lag_steps"], c["remaining_steps"]) if matters else 1.0
     assert c["step_factor"] == pytest.approx(max(lag_factor, 1.22)), c
     assert c["factor_from"] == ("lag" if lag_factor > 1.22 else "auto.min_step_factor"), c
     assert min(c["sparse_step_ms"], c["dense_step_ms"], c["measured_step_ms"]) > 0
