@@ -95,6 +95,8 @@ def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
   assert "torch-ddp" in got["analysis"]
 
 
+@pytest.mark.slow  # ~2 minutes on 2 cores, over CI's 15-minute budget (the layout, the node
+# count's checks and the 2-node runs stay in CI)
 def test_the_study_trains_on_four_nodes_when_the_config_says_so(tmp_path):
   """`--set mesh.nodes=4` on a 2-core machine: four emulated nodes, one process each, pinned
   round-robin (two to a core); the sparsejax system (and PyTorch DDP, a gloo world of four, with
