@@ -667,9 +667,9 @@ class AutoExchange:
     # (once where its exchange alone is FAR_OFF times this step: not a close call, and at 500
     # Mbit/s three dense steps of the MNIST MLP cost more than 20 sparse ones)
     far = False
-    moving = self._resized_from is not None and set(self._resized_from) == set(FORMS)
-    if other not in self._rest or self._stale(other, link) or (
-        self._resized_from is not None and not moving):
+    # (at a new input size the other form is moved, not timed, where both were timed before)
+    unmovable = self._resized_from is not None and set(self._resized_from) != set(FORMS)
+    if other not in self._rest or self._stale(other, link) or unmovable:
       far = self._exchange(link)[other] >= self.FAR_OFF * step_s
       steps[other] = self._time_step(self._level_of(other, step), state, batch,
                                      reps=1 if far else PROBE_REPS)
@@ -844,7 +844,8 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
     factor = (f"(1 + lag {entry['lag_steps']:.1f} / {entry['remaining_steps']} steps left; "
               f"spread {entry['spread']:.3f})")
   elif entry.get("factor_from") == "auto.min_step_factor" and entry.get("lag_steps") is None:
-    factor = (f"(auto.min_step_factor; the lag, at most {0.5 / compression.density:.1f} / "
+    factor = (f"(auto.min_step_factor; the lag, at most "
+              f"{lag_steps(1.0, compression.density):.1f} / "
               f"{entry['remaining_steps']} steps left, says less: not measured)")
   elif entry.get("factor_from") == "auto.min_step_factor":
     factor = (f"(auto.min_step_factor; the lag {entry['lag_steps']:.1f} / "
