@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -395,8 +396,9 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   assert result.get("rc") == 0, out.getvalue()[-3000:]
   choices = json.load(open(workdir / "summary.json"))["exchange_choices"]
   assert choices[0]["form"] == "sparse" and choices[0]["link_MBps"] < 5, choices[0]
-  # dense's exchange alone is many sparse steps: timed once, not PROBE_REPS times
-  assert choices[0]["how"].startswith("timed; dense once (far off)"), choices[0]
+  # dense's exchange alone is many sparse steps: not run, its rest taken as sparse's
+  assert choices[0]["how"].startswith("timed; dense not run (far off"), choices[0]
+  assert "dense_rest_ms" not in choices[0], choices[0]
   assert "; link read twice (" in choices[0]["how"], choices[0]  # the first read, checked
   assert all(c["link_MBps"] > 10 for c in choices[1:]), choices  # every later probe saw the lift
   assert "dense" in [c["form"] for c in choices[1:]], (  # ... and auto switched to dense
@@ -506,6 +508,28 @@ def test_a_rest_taken_at_a_far_link_is_taken_again():
   assert not auto._stale(0.1, 1.5, 1.8, 6.25 * mb, 5.2 * mb)
   # a link 3x slower where the exchange is small beside the rest
   assert not auto._stale(0.2, 0.01, 0.03, 300 * mb, 100 * mb)
+
+
+def test_a_form_far_off_is_not_run_and_the_other_forms_rest_stands_for_it():
+  """A form whose modelled exchange alone is FAR_OFF times the other form's step is not timed:
+  what was kept of its rest is dropped, and `predict` gives it the measured form's rest plus its
+  own exchange. A form close enough is timed (`_far` is False and keeps its rest)."""
+  ex = object.__new__(auto.AutoExchange)
+  ex.options, ex.compression = SimpleNamespace(sparse="hitopk"), SimpleNamespace(density=0.01)
+  ex.n, ex.nodes, ex.local, ex._select_s = 1_000_003, 2, 1, 0.002
+  ex._rest, ex._timed = {"dense": 0.010, "sparse": 0.013}, {"dense": 0.010, "sparse": 0.013}
+  slow, fast = auto.Link(1e-4, 0.5e6), auto.Link(1e-4, math.inf)  # 4 Mbit/s; unlimited
+  dense_exchange = ex._exchange(slow)["dense"]
+  assert dense_exchange > 4 * 0.05  # 4 MB over 0.5 MB/s
+  assert not ex._far("dense", fast, 0.05) and ex._rest["dense"] == 0.010
+  assert not ex._far("dense", slow, dense_exchange / 3.9) and "dense" in ex._timed
+  assert ex._far("dense", slow, dense_exchange / 4.1)
+  assert "dense" not in ex._rest and "dense" not in ex._timed and ex._rest["sparse"] == 0.013
+  m = auto.Measurement(slow, "sparse", 0.5, ex._select_s, None)  # (its exchange: 0.16 s)
+  model = dict(algorithm="hitopk", n=ex.n, density=0.01, nodes=2, local=1)
+  got = auto.predict(m, rest=ex._rest, **model)
+  sparse_rest = 0.5 - auto.exchange_s(m, **model)["sparse"]
+  assert sparse_rest > 0.3 and got["dense"] == pytest.approx(sparse_rest + dense_exchange)
 
 
 def test_of_two_link_reads_the_faster_is_kept():

@@ -443,7 +443,7 @@ class AutoExchange:
   TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
   TRIAL_WITHIN = 2.0  # close: its predicted time to the target within this factor of the choice's
   FAR_OFF = 4.0  # a form whose modelled exchange alone is this many times the other's step is
-  # timed once, not PROBE_REPS times
+  # not run to be timed (`_timed_steps`)
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
                dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
@@ -559,11 +559,10 @@ class AutoExchange:
     (the model's exchange is the final density's)."""
     return self.dense_level if form == "dense" else self.sparse_level(self.total_steps - 1)
 
-  def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array],
-                 reps: int = PROBE_REPS) -> float:
-    """The fewest seconds of the compiled train step at `level` on a copy of `state` over `reps`
-    calls (each takes the last one's output: the step donates its input), after one untimed
-    call where this level has not run here yet (`compile`)."""
+  def _time_step(self, level: int, state: Any, batch: Sequence[jax.Array]) -> float:
+    """The fewest seconds of the compiled train step at `level` on a copy of `state` over
+    PROBE_REPS calls (each takes the last one's output: the step donates its input), after one
+    untimed call where this level has not run here yet (`compile`)."""
     fn = self.compiled(level)
     copy = jax.tree.map(jnp.copy, state)
     if (level, _shape_of(batch)) not in self._warm:
@@ -573,7 +572,7 @@ class AutoExchange:
       self._warm.add((level, _shape_of(batch)))
       self._untimed.append(time.perf_counter() - t0)
     times = []
-    for _ in range(reps):
+    for _ in range(PROBE_REPS):
       t0 = time.perf_counter()
       copy, _ = fn(copy, *batch)
       jax.block_until_ready(copy)
@@ -620,6 +619,16 @@ class AutoExchange:
     return _stale(self._rest[form], self._exchange(then)[form], self._exchange(link)[form],
                   then.bytes_per_s, link.bytes_per_s)
 
+  def _far(self, form: str, link: Link, step_s: float) -> bool:
+    """Whether `form`'s modelled exchange on `link` alone is FAR_OFF times `step_s` (the
+    other form's step): then it is not run to be timed, and what was kept of its rest (taken
+    at another link) is dropped, so that `predict` takes the other form's."""
+    if self._exchange(link)[form] < self.FAR_OFF * step_s:
+      return False
+    self._rest.pop(form, None)
+    self._timed.pop(form, None)
+    return True
+
   def _observed_steps(self, step: int, observed: tuple[int, float, int], link: Link,
                       probe_s: float, state: Any, batch: Sequence[jax.Array]
                       ) -> tuple[str, dict[str, float], str, Link] | None:
@@ -641,9 +650,12 @@ class AutoExchange:
       how += f" at density {ran:.3g}"
     steps = {form: step_s}
     if self._stale(other := _other(form), link):  # the other form timed again at this link
-      steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
-      how += f"; {other} timed again (the link moved)"
-      link = self._fit(link, {other: steps[other]})
+      if self._far(other, link, step_s):
+        how += f"; {other} not timed again (the link moved far off)"
+      else:
+        steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
+        how += f"; {other} timed again (the link moved)"
+        link = self._fit(link, {other: steps[other]})
     return form, steps, how, link
 
   def _spent(self) -> float:
@@ -656,26 +668,32 @@ class AutoExchange:
   def _timed_steps(self, step: int, link: Link, probe_s: float, state: Any,
                    batch: Sequence[jax.Array]) -> tuple[str, dict[str, float], str, Link]:
     """The form in force's compiled step timed here (before the first choice: the cheaper
-    exchange's), and the other form's at the first measurement or where its rest is stale."""
+    exchange's), and the other form's at the first measurement or where its rest is stale,
+    unless its modelled exchange alone is FAR_OFF times the step timed: it is then not run, and
+    its rest is taken as the timed form's (`predict`'s default: both forms run the same
+    forward and backward pass and update; the selection is part of the sparse exchange)."""
     now = self._exchange(link)
     form = self.form or min(FORMS, key=now.__getitem__)
     step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
     steps, other = {form: step_s}, _other(form)
     link = self._fit(link, steps)
-    # the first measurement: the other form's step too (a rule skipping it where the link
-    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
-    # (once where its exchange alone is FAR_OFF times this step: not a close call, and at 500
-    # Mbit/s three dense steps of the MNIST MLP cost more than 20 sparse ones)
-    far = False
+    # the first measurement: the other form's step too (a rule skipping it wherever the link
+    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s; the
+    # first link is now read twice and the faster read kept)
+    # (not run where its exchange alone is FAR_OFF times this step: no step factor makes that
+    # a close call, and running it cost the CNN at 10 Mbit/s its compilation and two 1.2 s
+    # steps, the MNIST MLP at 500 Mbit/s about 10% of its run)
+    how = "timed"
     # (at a new input size the other form is moved, not timed, where both were timed before)
     unmovable = self._resized_from is not None and set(self._resized_from) != set(FORMS)
     if other not in self._rest or self._stale(other, link) or unmovable:
-      far = self._exchange(link)[other] >= self.FAR_OFF * step_s
-      steps[other] = self._time_step(self._level_of(other, step), state, batch,
-                                     reps=1 if far else PROBE_REPS)
+      if self._far(other, link, step_s):
+        how = (f"timed; {other} not run (far off: its exchange alone "
+               f"{1e3 * self._exchange(link)[other]:.0f} ms, its rest taken as {form}'s)")
+      else:
+        steps[other] = self._time_step(self._level_of(other, step), state, batch)
     values = _slowest([*steps.values(), probe_s])
     steps, self.probe_s = dict(zip(steps, values)), values[-1]
-    how = f"timed; {other} once (far off)" if len(steps) > 1 and far else "timed"
     return form, steps, how, self._fit(link, steps)
 
   def measure(self, step: int, state: Any, batch: Sequence[jax.Array]) -> Measurement:
@@ -723,7 +741,7 @@ class AutoExchange:
     now = {f: s - self._exchange(link)[f] for f, s in steps.items()}  # (`rests`)
     self._rest_link.update(dict.fromkeys(now, link))
     if self._resized_from is not None:  # the first measurement at a new input size
-      if observed is None and len(now) == 1:
+      if observed is None and len(now) == 1 and set(self._resized_from) == set(FORMS):
         now[other], moved = _moved(self._resized_from, form, now[form])
         how += f"; {other} moved by {1e3 * moved:+.1f} ms (the new input size)"
       self._resized_from = None
