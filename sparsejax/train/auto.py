@@ -442,8 +442,8 @@ class AutoExchange:
   MIN_WINDOW = 3  # steps a form must have run since the last measurement for its time to count
   TRIAL_STEPS = 8  # steps of a trial: the other form run where its prediction is close
   TRIAL_WITHIN = 2.0  # close: its predicted time to the target within this factor of the choice's
-  FAR_OFF = 4.0  # a form whose modelled exchange alone is this many times the other's step is
-  # not run to be timed (`_timed_steps`)
+  FAR_OFF = 2.0  # a form whose modelled exchange alone is this many times a close call is not
+  # run to be timed (`_far`): a margin for a link read that many times too slow
 
   def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
                dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
@@ -619,15 +619,28 @@ class AutoExchange:
     return _stale(self._rest[form], self._exchange(then)[form], self._exchange(link)[form],
                   then.bytes_per_s, link.bytes_per_s)
 
-  def _far(self, form: str, link: Link, step_s: float) -> bool:
-    """Whether `form`'s modelled exchange on `link` alone is FAR_OFF times `step_s` (the
-    other form's step): then it is not run to be timed, and what was kept of its rest (taken
-    at another link) is dropped, so that `predict` takes the other form's."""
-    if self._exchange(link)[form] < self.FAR_OFF * step_s:
+  def _far(self, form: str, link: Link, step_s: float, step: int) -> bool:
+    """Whether `form`'s modelled exchange on `link` alone is FAR_OFF times what would make it
+    a close call against the other form's step `step_s` (the dense form against the sparse
+    step times the largest step factor it can have at `step`, `_factor_bound`; the sparse form
+    against the dense step): then no step of it can be chosen, even on a link read FAR_OFF
+    times too slow, so it is not run to be timed, and what was kept of its rest (taken at
+    another link) is dropped, so that `predict` takes the other form's."""
+    bound = self._factor_bound(step) if form == "dense" else 1.0
+    if self._exchange(link)[form] < self.FAR_OFF * bound * step_s:
       return False
     self._rest.pop(form, None)
     self._timed.pop(form, None)
     return True
+
+  def _factor_bound(self, step: int) -> float:
+    """The largest step factor the sparse form can have from `step` on: the user's
+    `auto.step_factor`, else the lag's at its bound (a flat gradient, `spread_matters`), at
+    least `auto.min_step_factor`."""
+    if self.options.step_factor:
+      return self.options.step_factor
+    lag = lag_steps(1.0, self.compression.density)
+    return max(step_factor(lag, self.total_steps - step), self.options.min_step_factor)
 
   def _observed_steps(self, step: int, observed: tuple[int, float, int], link: Link,
                       probe_s: float, state: Any, batch: Sequence[jax.Array]
@@ -650,7 +663,7 @@ class AutoExchange:
       how += f" at density {ran:.3g}"
     steps = {form: step_s}
     if self._stale(other := _other(form), link):  # the other form timed again at this link
-      if self._far(other, link, step_s):
+      if self._far(other, link, step_s, step):
         how += f"; {other} not timed again (the link moved far off)"
       else:
         steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
@@ -669,8 +682,8 @@ class AutoExchange:
                    batch: Sequence[jax.Array]) -> tuple[str, dict[str, float], str, Link]:
     """The form in force's compiled step timed here (before the first choice: the cheaper
     exchange's), and the other form's at the first measurement or where its rest is stale,
-    unless its modelled exchange alone is FAR_OFF times the step timed: it is then not run, and
-    its rest is taken as the timed form's (`predict`'s default: both forms run the same
+    unless its modelled exchange alone rules it out (`_far`): it is then not run, and its rest
+    is taken as the timed form's (`predict`'s default: both forms run the same
     forward and backward pass and update; the selection is part of the sparse exchange)."""
     now = self._exchange(link)
     form = self.form or min(FORMS, key=now.__getitem__)
@@ -680,14 +693,13 @@ class AutoExchange:
     # the first measurement: the other form's step too (a rule skipping it wherever the link
     # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s; the
     # first link is now read twice and the faster read kept)
-    # (not run where its exchange alone is FAR_OFF times this step: no step factor makes that
-    # a close call, and running it cost the CNN at 10 Mbit/s its compilation and two 1.2 s
-    # steps, the MNIST MLP at 500 Mbit/s about 10% of its run)
+    # (not run where its exchange alone rules it out: running it cost the CNN at 10 Mbit/s its
+    # compilation and two 1.2 s steps, the MNIST MLP at 500 Mbit/s about 10% of its run)
     how = "timed"
     # (at a new input size the other form is moved, not timed, where both were timed before)
     unmovable = self._resized_from is not None and set(self._resized_from) != set(FORMS)
     if other not in self._rest or self._stale(other, link) or unmovable:
-      if self._far(other, link, step_s):
+      if self._far(other, link, step_s, step):
         how = (f"timed; {other} not run (far off: its exchange alone "
                f"{1e3 * self._exchange(link)[other]:.0f} ms, its rest taken as {form}'s)")
       else:
