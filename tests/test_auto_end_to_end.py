@@ -173,3 +173,25 @@ def test_the_paired_ratio_takes_each_seed_against_its_own_fastest_fixed_system()
              "hitopk": [{"seed": 0, "time_s": 4.0}, {"seed": 1, "time_s": 6.6},
                         {"seed": 2, "time_s": 5.0}]}
   assert e2e.paired(runs, trained) == pytest.approx([5.0 / 4.0, 6.0 / 6.6])
+
+
+def test_auto_measurements_before_the_target_are_summed_and_left_out_by_seed():
+  ref = reference()
+  for run, costs in zip(ref["train"], [(300.0, 40.0, 50.0), (200.0, 30.0, 30.0),
+                                       (250.0, 20.0, 10.0)]):
+    for choice, ms in zip(run["exchange_choices"], costs):
+      choice.update(why="measured", measure_ms=ms)
+  ref["train"][0]["exchange_choices"].append(  # after the target (step 50): not counted
+      {"step": 60, "form": "sparse", "why": "measured", "measure_ms": 999.0})
+  runs = e2e.runs_of(ref, "auto-0.05")
+  assert [r["measure_s"] for r in runs] == pytest.approx([0.39, 0.26, 0.28])
+  assert [r["first_measure_s"] for r in runs] == pytest.approx([0.3, 0.2, 0.25])
+  trained = {"dense": [{"seed": s, "time_s": t} for s, t in enumerate([5.0, 6.0, 9.0])]}
+  row = e2e.judge(ref, "unlimited", runs, "auto-0.05", trained)
+  assert row["auto_over_best_by_seed"] == pytest.approx([6.1 / 5.0, 6.3 / 6.0, 9.4 / 9.0])
+  assert row["auto_over_best_by_seed_unmeasured"] == pytest.approx(
+      [(6.1 - 0.39) / 5.0, (6.3 - 0.26) / 6.0, (9.4 - 0.28) / 9.0])
+  assert "| unlimited | 0.26 / 0.28 / 0.39 | 0.20 / 0.25 / 0.30 |" in e2e.table(
+      {"meta": {"system": "auto-0.05", "target_metric": "loss", "target": 4.55, "seeds": 3,
+                "reference": "r.json", "command": "c", "machine": "m", "cpus": 2,
+                "date": "d"}, "rows": [row]})

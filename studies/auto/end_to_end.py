@@ -81,9 +81,14 @@ def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
     forms = [(c["step"], c["form"]) for c in r.get("exchange_choices", [])]
     forms = [f for i, f in enumerate(forms) if i == 0 or f[1] != forms[i - 1][1]]
     choices = r.get("exchange_choices", [])
+    measured = [c for c in choices if c.get("why") == "measured"
+                and (hit is None or c["step"] < hit["step"])]
     out.append({"seed": r["seed"], "steps": hit["step"] if hit else None,
                 "time_s": hit["train_time_s"] if hit else None, "forms": forms,
-                "predictions": predictions(choices)})
+                "predictions": predictions(choices),
+                # auto's measurements before the target (their compilations included)
+                "measure_s": sum(c["measure_ms"] for c in measured) / 1e3,
+                "first_measure_s": measured[0]["measure_ms"] / 1e3 if measured else 0.0})
   return out
 
 
@@ -157,8 +162,14 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   ddp_exposed = [s - torch_compute for s in ddp_steps]
   over_ddp = ddp / med if med else None
   need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
+  spent = [x for x in runs if "measure_s" in x]
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
           "auto_over_best_by_seed": paired(runs, trained or {}),
+          **({"auto_measure_s": [x["measure_s"] for x in spent],
+              "auto_first_measure_s": [x["first_measure_s"] for x in spent],
+              "auto_over_best_by_seed_unmeasured": paired(
+                  [{**x, "time_s": x["time_s"] and x["time_s"] - x["measure_s"]}
+                   for x in spent], trained or {})} if spent else {}),
           "steps_checked": step_check(runs),
           "auto_steps": [x["steps"] for x in runs], "forms": [x["forms"] for x in runs],
           "fixed_time_s": times, "fixed_trained": sorted(measured), "best_fixed": best,
@@ -215,6 +226,17 @@ def table(results: dict[str, Any]) -> str:
                  + " | ".join(cells) + f" | {_x(row['auto_over_best'])} ({row['best_fixed']}) | "
                  f"{spread(row.get('auto_over_best_by_seed', []), 2) or '-'} | "
                  f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
+  costs = [row for row in rows if "auto_measure_s" in row]
+  if costs:
+    lines += ["", "auto's measurements before the target (s, compilation of its probes and of "
+              "a form timed on a copy included; 3 seeds min / median / max), the first one "
+              "alone, and auto's time over the fastest fixed system by seed with them left out "
+              "(what auto costs once measured: its choices and trials):", "",
+              "| link | measurements s | the first s | by seed without them |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {row['bandwidth']} | {spread(row['auto_measure_s'], 2)} | "
+              f"{spread(row['auto_first_measure_s'], 2)} | "
+              f"{spread(row['auto_over_best_by_seed_unmeasured'], 2) or '-'} |" for row in costs]
   lines += ["", "Exposed exchange per step (ms; auto: its mean step to the target, warm-up "
             "and probes included, minus the JAX compute-only step; DDP: its swept step minus "
             "PyTorch's), auto's steps to target and its forms (seed 0's):", "",
