@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparsejax import comm, cost
-from studies.worker_scaling import applied, at_nodes
+from studies.worker_scaling import applied, at_nodes, projected
 from studies.worker_scaling import run as ws
 
 N = 1_863_690  # the Fashion-MNIST MLP's parameters
@@ -177,3 +177,53 @@ def test_what_one_exchange_applies_against_a_direct_count():
   # every position, the "no pair" marker (n) left out: the whole gradient
   assert rows["all"]["applied_over_k"] == pytest.approx(n / k)
   assert rows["all"]["share"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- projected.py
+
+def _scaling_rows(steps: dict[tuple[str, int], list]) -> dict:
+  return {"meta": {"config": "configs/x.py", "seeds": 3}, "rows": [
+      {"system": s, "workers": p, "density": 1.0 if s == "dense" else 0.01,
+       "steps_to_target": v, "final": [0.88] * len(v)} for (s, p), v in steps.items()]}
+
+
+def test_the_convergence_term_is_a_least_squares_line_in_log2_p():
+  rng = np.random.default_rng(7)
+  workers = [2, 4, 8, 16]
+  dense = [150, 144, 138]
+  gtopk = {p: list(rng.integers(100, 400, size=3)) for p in workers}
+  scaling = _scaling_rows({("dense", 2): dense, **{("gtopk-0.01-mcm", p): v
+                                                  for p, v in gtopk.items()},
+                           ("allgather-0.01-mc", 2): [100, 110, 120]})
+  got = projected.terms(scaling, {"higtopk": "gtopk-0.01-mcm", "hitopk": "allgather-0.01-mc"})
+  ys = [np.median(gtopk[p]) / np.median(dense) for p in workers]
+  b, a = np.polyfit(np.log2(workers), ys, 1)
+  t = got["higtopk"]
+  assert t.a == pytest.approx(a) and t.b == pytest.approx(b)
+  assert t.fitted(16) == pytest.approx(ys[-1])  # measured where measured
+  assert t.fitted(1024) == pytest.approx(a + 10 * b)  # the line past the measured range
+  assert t.held(1024) == pytest.approx(ys[-1])  # held at the largest measured P
+  assert got["hitopk"].b == 0.0 and got["hitopk"].held(128) == pytest.approx(110 / 144)
+
+
+def test_time_to_target_over_dense_is_the_term_times_the_step_ratio_and_picks_the_least():
+  term = {"hitopk": projected.Term("allgather", {16: 0.8}, 0.8, 0.0),
+          "higtopk": projected.Term("gtopk", {2: 1.1, 16: 1.4}, 1.0, 0.1)}
+  rows = [{"model": "m", "cluster": "c", "nodes": 1024, "algorithm": a, "step_s": s}
+          for a, s in [("dense", 1.0), ("hierarchical", 0.9), ("hitopk", 1.8),
+                       ("higtopk", 0.5)]]
+  row, = projected.analyse(rows, term)
+  assert row["dense"] == "hierarchical" and row["dense_step_s"] == 0.9
+  g = row["systems"]["higtopk"]
+  assert g["time_over_dense_held"] == pytest.approx(1.4 * 0.5 / 0.9)
+  assert g["time_over_dense_fitted"] == pytest.approx((1.0 + 0.1 * 10) * 0.5 / 0.9)
+  assert row["picked_held"] == "higtopk" and row["picked_fitted"] == "dense"  # 1.11 > 1
+
+
+def test_a_projection_without_the_named_system_or_dense_is_refused():
+  scaling = _scaling_rows({("dense", 2): [144, 150, 160], ("gtopk-0.01-mc", 16): [300] * 3})
+  with pytest.raises(ValueError, match="'gtopk-0.01-mcm' is not in the results"):
+    projected.terms(scaling, {"higtopk": "gtopk-0.01-mcm"})
+  never = _scaling_rows({("dense", 2): [144, None, 160], ("gtopk-0.01-mc", 16): [300] * 3})
+  with pytest.raises(ValueError, match="no dense run"):
+    projected.terms(never, {"higtopk": "gtopk-0.01-mc"})
