@@ -14,7 +14,7 @@ from sparsejax.bench import ROOT
 from studies.auto import end_to_end
 from studies.convergence import run as convergence
 from studies.time_to_accuracy import analysis, systems
-from studies.worker_scaling import applied, at_nodes, projected
+from studies.worker_scaling import applied, at_nodes, projected, residuals
 from studies.worker_scaling import run as worker_scaling
 
 # end to end (the emulated cluster, the studies, whole recipes): `python -m pytest -m integration`
@@ -65,7 +65,8 @@ def test_a_worker_scaling_result_writes_its_table_again(name, tmp_path, monkeypa
   monkeypatch.chdir(ROOT)
   base = os.path.basename(name)
   study = (applied if base.startswith("applied") else at_nodes if base.startswith("at_nodes")
-           else projected if base.startswith("projected") else worker_scaling)
+           else projected if base.startswith("projected")
+           else residuals if base.startswith("residuals") else worker_scaling)
   out = str(tmp_path / base)
   assert study.main(["--from-results", name, "--out", out]) == 0
   _same_table(out, name)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparsejax import comm, cost
-from studies.worker_scaling import applied, at_nodes, projected
+from studies.worker_scaling import applied, at_nodes, projected, residuals
 from studies.worker_scaling import run as ws
 
 N = 1_863_690  # the Fashion-MNIST MLP's parameters
@@ -227,3 +227,52 @@ def test_a_projection_without_the_named_system_or_dense_is_refused():
   never = _scaling_rows({("dense", 2): [144, None, 160], ("gtopk-0.01-mc", 16): [300] * 3})
   with pytest.raises(ValueError, match="no dense run"):
     projected.terms(never, {"higtopk": "gtopk-0.01-mc"})
+
+
+def test_residual_windows_are_means_of_their_steps():
+  series = [{"held": h, "aligned": 0.5, "sent": 0.1 * h, "moved": 2.0}
+            for h in (1.0, 2.0, 3.0, 4.0, 6.0)]
+  rows = residuals.window_means(series, 2)
+  assert [r["step"] for r in rows] == [2, 4, 5]
+  assert [r["held"] for r in rows] == pytest.approx([1.5, 3.5, 6.0])
+  assert [r["sent"] for r in rows] == pytest.approx([0.15, 0.35, 0.6])
+
+
+@pytest.mark.parametrize("name", residuals.SYSTEMS)
+def test_a_shadow_exchange_reports_its_memory_against_numpy(rng, name):
+  """Three workers, fresh random gradients and memory, n not a multiple of anything: the
+  metrics against numpy from the exchange's own outputs, and sent plus kept = every candidate
+  (the conservation law: momentum correction without Nesterov, candidates r + (m u + g))."""
+  from conftest import make_mesh, run_workers
+  workers, n, k, m = 3, 1013, 17, 0.9
+  g = rng.standard_normal((workers, n)).astype(np.float32)
+  r = rng.standard_normal((workers, n)).astype(np.float32)
+  u = rng.standard_normal((workers, n)).astype(np.float32)
+  mesh = make_mesh(workers, 1)
+
+  def body(g, r, u):
+    new_r, new_u, metrics = residuals.shadow_step(name, g, r, u, k=k, axes=("node", "local"),
+                                                  momentum=m, nesterov=False)
+    return new_r, new_u, metrics
+
+  new_r, new_u, metrics = run_workers(mesh, body, g, r, u)
+  cand = r + m * u + g
+  sent = cand.sum(0) - new_r.sum(0)  # what the exchange applied, by conservation
+  nonzero = np.flatnonzero(np.abs(sent) > 1e-4)
+  assert len(nonzero) <= (workers * k if name.startswith("allgather") else k)
+  s = cand.sum(0).astype(np.float64)
+  r2 = float((new_r.astype(np.float64) ** 2).sum())
+  want = [r2 / float((g.sum(0).astype(np.float64) ** 2).sum()),
+          float((new_r.sum(0).astype(np.float64) ** 2).sum()) / (workers * r2),
+          float(sent @ s) / float(s @ s),
+          float(sent @ sent) / float((g.sum(0).astype(np.float64) ** 2).sum())]
+  for w in range(workers):
+    np.testing.assert_allclose(metrics[w], want, rtol=2e-4)
+  masked = np.flatnonzero(new_u[0] == 0)
+  assert (len(masked) > 0) == (name == "gtopk-mcm")
+
+
+def test_a_bad_shadow_system_is_named():
+  with pytest.raises(ValueError, match="'gtopk-x'"):
+    residuals.shadow_step("gtopk-x", None, None, None, k=1, axes="node", momentum=0.9,
+                          nesterov=False)
