@@ -35,8 +35,6 @@ if ROOT not in sys.path:  # run as `python studies/worker_scaling/applied.py`: t
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -193,15 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _in_child(args, workers: int) -> list[dict[str, Any]]:
   """The measurement at `workers` workers, by this script in a process with that many devices."""
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "rows.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
-           *(f"--set={s}" for s in args.sets), "--workers", str(workers), "--density",
-           str(args.density), "--at", args.at, "--out", out]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run(cmd, check=True, env={**env, "SPARSEJAX_MAX_WORKERS": str(workers)})
-    with open(out) as f:
-      return json.load(f)["rows"]
+  from studies.worker_scaling.child import in_child
+  return in_child(__file__, ["--config", args.config, *(f"--set={s}" for s in args.sets),
+                             "--workers", str(workers), "--density", str(args.density),
+                             "--at", args.at], workers, "rows")
 
 
 if __name__ == "__main__":

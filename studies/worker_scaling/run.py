@@ -281,18 +281,12 @@ def collect(ap, args, argv: list[str]) -> dict[str, Any]:
 
 def runs_in_child(args, workers: int) -> list[dict[str, Any]]:
   """The runs at `workers` workers, by this script in a process with that many CPU devices."""
-  import subprocess
-  import tempfile
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "runs.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config,
-           *(f"--set={s}" for s in args.sets), "--workers", str(workers), "--systems",
-           args.systems, "--seeds", str(args.seeds), "--workdir", args.workdir, "--out", out,
-           *(["--finished-only"] if args.finished_only else [])]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    subprocess.run(cmd, check=True, env={**env, "SPARSEJAX_MAX_WORKERS": str(workers)})
-    with open(out) as f:
-      return json.load(f)["runs"]
+  from studies.worker_scaling.child import in_child
+  return in_child(__file__, ["--config", args.config, *(f"--set={s}" for s in args.sets),
+                             "--workers", str(workers), "--systems", args.systems, "--seeds",
+                             str(args.seeds), "--workdir", args.workdir,
+                             *(["--finished-only"] if args.finished_only else [])],
+                  workers, "runs")
 
 
 if __name__ == "__main__":
