@@ -135,7 +135,7 @@ def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, A
           "full": full("allgather")},
       "gtopk": {
           "select": smap(select),
-          "exchange": smap(lambda v, i, r: comm.gtopk_sums(v, i, r, n, WORKERS)),
+          "exchange": smap(lambda v, i, _: comm.gtopk_sums(v, i, n, WORKERS)),
           "apply": smap(lambda v, i, r, pos, sums: (lambda t, f: (t, f.residual))(
               *comm.gtopk_settle(v, i, Feedback(r), pos, sums, n, False))),
           "full": full("gtopk")},

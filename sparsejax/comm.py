@@ -18,8 +18,8 @@ them with `feedback_select` and also return what was not sent (a `Feedback`).
                            pairs over node (the only inter-node traffic), all-gather local
   gtopk_allreduce          gTop-k: select k, merge the pairs by recursive doubling (log2 P rounds
                            of k pairs, each keeping the k largest sums) into one global set of k
-                           positions, then the exact sum over all workers at those positions (a
-                           psum of k values): about 2k log2 P + 2k values per worker
+                           positions, then the sum there of what the workers selected (a psum
+                           of k values): about 2k log2 P + 2k values per worker
   higtopk_allreduce        HiTopKComm with gTop-k between the nodes
 """
 
@@ -349,60 +349,62 @@ def gtopk_positions(values: jax.Array, indices: jax.Array, length: int,
   return positions
 
 
-def _candidates_at(values: jax.Array, indices: jax.Array, kept: jax.Array,
-                   positions: jax.Array) -> jax.Array:
-  """The candidates at `positions` (0 at "no pair"), where the candidates are `kept` with this
-  worker's selected `values` put back at their (distinct) `indices`: O(k log k), without
-  writing the whole buffer; where k is a thirty-second of the buffer or more (as `merge_top`),
-  the buffer written once instead of a comparison sort of k."""
-  if 32 * indices.shape[0] >= kept.shape[0]:
-    whole = kept.at[indices].set(values.astype(kept.dtype), unique_indices=True)
-    return whole.at[positions].get(mode="fill", fill_value=0)
+def _selected_at(values: jax.Array, indices: jax.Array, positions: jax.Array,
+                 length: int) -> jax.Array:
+  """This worker's selected `values` at `positions` (0 where it selected nothing, and at "no
+  pair"): O(k log k), without writing a whole buffer; where k is a thirty-second of the buffer
+  or more (as `merge_top`), a buffer written once instead of a comparison sort of k."""
+  if 32 * indices.shape[0] >= length:
+    whole = jnp.zeros(length + 1, values.dtype).at[indices].set(values, unique_indices=True)
+    return whole[jnp.minimum(positions, length)]
   order = jnp.argsort(indices)
-  mine, vals = indices[order], values[order].astype(kept.dtype)
+  mine, vals = indices[order], values[order]
   at = jnp.clip(jnp.searchsorted(mine, positions), 0, mine.shape[0] - 1)
-  return jnp.where(mine[at] == positions, vals[at],
-                   kept.at[positions].get(mode="fill", fill_value=0))
+  return jnp.where(mine[at] == positions, vals[at], jnp.zeros_like(vals[at]))
 
 
-def gtopk_sums(values: jax.Array, indices: jax.Array, kept: jax.Array, length: int,
+def gtopk_sums(values: jax.Array, indices: jax.Array, length: int,
                axes: str | tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
   """gTop-k's network part: `(positions, sums)`, the k global positions (`gtopk_positions`)
-  and the exact sum over all workers of their candidates there (one psum of k values).
-  `kept` is this worker's residual after its selection (zero at `indices`)."""
+  and at each the sum of the values the workers that selected it sent (one psum of k values).
+  A worker that did not select a position sends nothing there and keeps its candidate, as in
+  Shi et al.: summing every worker's candidate instead would empty the residuals of the workers
+  that had not chosen to send, which measured 2.3x all-gather's steps to the target at 8 workers
+  (`studies/worker_scaling`)."""
   positions = gtopk_positions(values, indices, length, axes)
-  return positions, lax.psum(_candidates_at(values, indices, kept, positions), axes)
+  return positions, lax.psum(_selected_at(values, indices, positions, length), axes)
 
 
 def gtopk_settle(values: jax.Array, indices: jax.Array, kept: Feedback, positions: jax.Array,
                  sums: jax.Array, length: int, masking: bool) -> tuple[jax.Array, Feedback]:
   """gTop-k's local part, after `gtopk_sums`: `(total, memory)`, the dense sum (length
-  `length`, `sums` at `positions`) and this worker's memory: its candidates with exactly the
-  global positions zeroed (what a merge dropped, and what it had not selected, stays; nothing
-  is lost or sent twice), the velocity zeroed there too with `masking`."""
+  `length`, `sums` at `positions`) and this worker's memory: `kept` (its residual after the
+  selection) with the values it selected and a merge dropped put back, so that only what it
+  sent leaves it (nothing is lost or sent twice); with `masking` the velocity is zeroed where
+  it sent."""
   total = jnp.zeros(length, values.dtype).at[positions].set(sums.astype(values.dtype),
                                                             mode="drop")
-  residual = kept.residual.at[indices].set(values.astype(kept.residual.dtype),
-                                           unique_indices=True)
+  sent = jnp.zeros(length + 1, bool).at[positions].set(True)[indices]
+  residual = kept.residual.at[indices].set(
+      jnp.where(sent, 0, values).astype(kept.residual.dtype), unique_indices=True)
   velocity = kept.velocity
   if masking and velocity is not None:
-    velocity = velocity.at[positions].set(0, mode="drop")
-  return total, kept._replace(residual=residual.at[positions].set(0, mode="drop"),
-                              velocity=velocity)
+    velocity = velocity.at[jnp.where(sent, indices, length)].set(0, mode="drop")
+  return total, kept._replace(residual=residual, velocity=velocity)
 
 
 def _gtopk_reduce(axes: str | tuple[str, ...]) -> Callable[..., tuple[jax.Array, Feedback]]:
   """gTop-k's exchange after the selection: `gtopk_sums` (network), `gtopk_settle` (local)."""
   def reduce(values, indices, kept: Feedback, length: int, masking: bool):
-    positions, sums = gtopk_sums(values, indices, kept.residual, length, axes)
+    positions, sums = gtopk_sums(values, indices, length, axes)
     return gtopk_settle(values, indices, kept, positions, sums, length, masking)
   return reduce
 
 
 def sparse_gtopk(axes: str | Sequence[str]) -> SparseCollective:
   """gTop-k's collective over `axes` (any axis or tuple of axes): every worker offers its k
-  pairs, `gtopk_positions` merges them into k global positions, and the sum over all workers
-  at those positions is exchanged exactly (`_gtopk_reduce`)."""
+  pairs, `gtopk_positions` merges them into k global positions, and the values the workers
+  selected there are summed (`_gtopk_reduce`)."""
   names = axes if isinstance(axes, str) else tuple(axes)
   return SparseCollective("gtopk", (names,) if isinstance(names, str) else names,
                           _whole(names, "gtopk_allreduce"), None, _gtopk_reduce(names))
@@ -498,17 +500,18 @@ def gtopk_allreduce(x: jax.Array, k: int, *, axes: str | Sequence[str],
                     residual: Feedback | None = None,
                     select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
                     momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
-  """gTop-k (Shi et al., ICDCS 2019) with exact sums: each worker selects its k largest
-  |x + residual|, the pairs are merged by recursive doubling into k positions common to all
-  workers, and the workers' candidates at those positions are summed exactly (a psum of k
-  values). Traffic per worker grows with log2 P (TopK all-gather's with P). Arguments as
-  `topk_allgather`; with `momentum_masking` the velocity is zeroed where the group sent (not
-  where this worker selected and a merge dropped: that value is still to be sent).
+  """gTop-k (Shi et al., ICDCS 2019): each worker selects its k largest |x + residual|, the
+  pairs are merged by recursive doubling into k positions common to all workers, and at those
+  positions the values the workers selected are summed (a psum of k values). Traffic per worker
+  grows with log2 P (TopK all-gather's with P). Arguments as `topk_allgather`; with
+  `momentum_masking` the velocity is zeroed where this worker sent (not where it selected and a
+  merge dropped: that value is still to be sent).
 
   Returns:
-    `(total, new_residual)`: `total` (n,) the sum over all workers at the k global positions
-    (zero elsewhere), identical on every worker; `new_residual` this worker's candidates with
-    those positions zeroed (what it selected but the merge dropped stays in it).
+    `(total, new_residual)`: `total` (n,) at the k global positions the sum of what the workers
+    selected there (zero elsewhere), identical on every worker; `new_residual` this worker's
+    candidates less what it sent (what it did not select, or selected and the merge dropped,
+    stays in it).
   """
   return _sparse_allreduce(sparse_gtopk(axes), x, k, residual, select, momentum, nesterov,
                            momentum_masking)

@@ -46,15 +46,17 @@ def np_gtopk_positions(pairs, k, n):
 
 
 def np_exchange(accs, k, n):
-  """(total, residuals) of gTop-k with exact sums, from each worker's candidates."""
+  """(total, residuals) of gTop-k from each worker's candidates: at the global positions the
+  sum of what the workers selected there; each worker keeps all but what it sent."""
   pairs = [np_topk_pairs(a, k) for a in accs]
   pos = sorted(np_gtopk_positions(pairs, k, n))
   total = np.zeros(n, np.float64)
-  total[pos] = np.sum([a[pos] for a in accs], axis=0)
   residuals = []
-  for a in accs:
+  for a, (_, idx) in zip(accs, pairs):
+    sent = np.intersect1d(idx, pos)
+    total[sent] += a[sent]
     r = a.copy()
-    r[pos] = 0
+    r[sent] = 0
     residuals.append(r)
   return total, np.stack(residuals), pos
 
@@ -81,6 +83,13 @@ def test_gtopk_equals_numpy(rng, workers, k):
   np.testing.assert_allclose(total[0], want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(new_res, want_res, rtol=1e-6, atol=1e-6)
   assert set(np.flatnonzero(total[0])) == set(pos)
+  # a position a worker did not select keeps its candidate there (it sent nothing)
+  if workers > 1:
+    unsent = [(w, i) for w in range(workers) for i in pos
+              if i not in set(np_topk_pairs(x[w] + res[w], k)[1])]
+    assert unsent, "the correlated workers all selected every global position: a weak test"
+    for w, i in unsent:
+      assert new_res[w, i] == pytest.approx(x[w, i] + res[w, i], rel=1e-6)
 
 
 @pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2), (3, 2), (1, 8), (8, 1), (5, 1)])
@@ -145,7 +154,7 @@ def test_mstopk_inside_gtopk_sends_what_it_keeps_back(rng, algorithm, nodes, loc
 def test_momentum_correction_through_gtopk(rng, masking):
   """Momentum correction with gTop-k: without masking what is sent plus what is kept equals
   the sum of the velocities (momentum SGD's update); with masking the velocity is zero where
-  the group sent and where this worker selected."""
+  this worker sent and not where only others did."""
   workers, n, k, m = 5, 1013, 17, 0.9
   xs = [rng.standard_normal((workers, n)).astype(np.float32) for _ in range(3)]
   mesh = make_mesh(workers, 1)
@@ -168,7 +177,10 @@ def test_momentum_correction_through_gtopk(rng, masking):
     np.testing.assert_allclose(sent + fb.residual.sum(0), velocity_sum, rtol=1e-4, atol=1e-4)
   else:
     last = np.flatnonzero(totals[-1][0])
-    assert last.size and np.all(fb.velocity[:, last] == 0)
+    sent = fb.residual[:, last] == 0  # what each worker sent in the last step
+    assert sent.any() and not sent.all()
+    assert np.all(fb.velocity[:, last][sent] == 0)
+    assert np.all(fb.velocity[:, last][~sent] != 0)
 
 
 def test_topk_allreduce_gtopk_is_the_mean_and_conserves(rng):

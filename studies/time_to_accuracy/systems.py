@@ -44,7 +44,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "compression.momentum_correction": True,
                                 "experimental.momentum_masking": False}),
     # HiTopKComm with gTop-k between the nodes (benchmarks/scale.py): k global positions
-    # a step, their exact sums, instead of every node's k pairs
+    # a step, the sums of what the nodes selected there, instead of every node's k pairs
     "higtopk-0.01-mc": ("jax", {"compression.algorithm": "higtopk", "compression.density": 0.01,
                                 "compression.momentum_correction": True,
                                 "experimental.momentum_masking": False}),
