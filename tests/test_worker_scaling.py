@@ -28,6 +28,9 @@ def test_the_k_rules_grow_with_the_workers_and_stop_at_density_one():
   assert ws.density_at("gtopk-0.01", 16, N) == 0.01
   assert ws.density_at("gtopk-0.01-sqrtP", 2, N) == pytest.approx(0.01)
   assert ws.density_at("gtopk-0.01-sqrtP", 16, N) == pytest.approx(0.01 * 8 ** 0.5)
+  assert ws.density_at("gtopk-0.01-mcm-logP", 2, N) == pytest.approx(0.01)  # never below k
+  assert ws.density_at("gtopk-0.01-mcm-logP", 8, N) == pytest.approx(0.015)
+  assert ws.density_at("gtopk-0.01-mcm-logP", 16, N) == pytest.approx(0.02)
   assert ws.density_at("gtopk-0.01-P", 16, N) == pytest.approx(0.08)
   assert ws.density_at("gtopk-0.5-P", 16, N) == 1.0
   assert ws.parse_system("allgather-0.01-mc") == ("allgather", 0.01, True, "", False, 1.0)

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                   help="node_scaling's results JSON (its `projection` rows)")
   ap.add_argument("--allgather", default="allgather-0.01-mc",
                   help="the runs' system standing for HiTopKComm's all-gather")
-  ap.add_argument("--gtopk", default="gtopk-0.01-mcm",
+  ap.add_argument("--gtopk", default="gtopk-0.01-mc",
                   help="the runs' system standing for HiTopKComm-gTop-k")
   ap.add_argument("--out", type=json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON",

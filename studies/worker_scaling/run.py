@@ -59,7 +59,7 @@ from sparsejax.bench import (  # noqa: E402
   write_results,
 )
 
-SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mcm|-mc)?(?:-(bytes|sqrtP|P))?"
+SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mcm|-mc)?(?:-(bytes|sqrtP|logP|P))?"
                     r"(?:-w([0-9.]+))?$")
 
 
@@ -69,7 +69,7 @@ class System(NamedTuple):
   algorithm: str
   density: float
   mc: bool  # DGC's momentum correction
-  rule: str  # gTop-k's k rule: "", "bytes", "sqrtP" or "P"
+  rule: str  # gTop-k's k rule: "", "bytes", "sqrtP", "logP" or "P"
   masking: bool = False  # -mcm: the correction with DGC's momentum masking
   warmup: float = 1.0  # -w<factor>: the task's density warm-up this many times as long
 
@@ -81,7 +81,7 @@ def parse_system(name: str) -> System:
   if not m or (m.group(1) == "dense") != (m.group(2) is None) or (
       m.group(4) and m.group(1) != "gtopk"):
     raise ValueError(f"system {name!r}: expected dense or <allgather|gtopk>-<density>"
-                     "[-mc|-mcm][-w<factor>], gtopk with an optional -bytes, -sqrtP or -P "
+                     "[-mc|-mcm][-w<factor>], gtopk with an optional -bytes, -sqrtP, -logP or -P "
                      "before -w")
   density = float(m.group(2) or 1.0)
   if not 0 < density <= 1:
@@ -103,6 +103,8 @@ def density_at(name: str, workers: int, n: int) -> float:
     return min(1.0, want / per_k / n)
   if rule == "sqrtP":
     return min(1.0, density * math.sqrt(workers / 2))
+  if rule == "logP":
+    return min(1.0, density * max(1.0, math.log2(workers) / 2))
   if rule == "P":
     return min(1.0, density * workers / 2)
   return density
@@ -215,7 +217,8 @@ def table(results: dict[str, Any]) -> str:
         f"{spread(r['final'], 4)} | {r['bytes_per_step'] / 1e6:.2f} | "
         f"{'-' if ratio is None else f'{ratio:.2f}'} | "
         f"{'-' if diff is None else f'{diff:+.4f}'} |")
-  return "\n".join(lines) + "\n\n" + footer(meta)
+  note = f"{meta['note']}\n\n" if meta.get("note") else ""
+  return "\n".join(lines) + "\n\n" + note + footer(meta)
 
 
 def main(argv: list[str] | None = None) -> int:
