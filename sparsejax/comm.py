@@ -356,7 +356,7 @@ def _selected_at(values: jax.Array, indices: jax.Array, positions: jax.Array,
   or more (as `merge_top`), a buffer written once instead of a comparison sort of k."""
   if 32 * indices.shape[0] >= length:
     whole = jnp.zeros(length + 1, values.dtype).at[indices].set(values, unique_indices=True)
-    return whole[jnp.minimum(positions, length)]
+    return whole[positions]
   order = jnp.argsort(indices)
   mine, vals = indices[order], values[order]
   at = jnp.clip(jnp.searchsorted(mine, positions), 0, mine.shape[0] - 1)
@@ -368,9 +368,8 @@ def gtopk_sums(values: jax.Array, indices: jax.Array, length: int,
   """gTop-k's network part: `(positions, sums)`, the k global positions (`gtopk_positions`)
   and at each the sum of the values the workers that selected it sent (one psum of k values).
   A worker that did not select a position sends nothing there and keeps its candidate, as in
-  Shi et al.: summing every worker's candidate instead would empty the residuals of the workers
-  that had not chosen to send, which measured 2.3x all-gather's steps to the target at 8 workers
-  (`studies/worker_scaling`)."""
+  Shi et al. (summing every worker's candidate there, the rule until 2026-12, needed 2.3x /
+  2.8x all-gather's steps to the target at 8 / 16 workers, `studies/worker_scaling`)."""
   positions = gtopk_positions(values, indices, length, axes)
   return positions, lax.psum(_selected_at(values, indices, positions, length), axes)
 
