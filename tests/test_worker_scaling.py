@@ -33,7 +33,30 @@ def test_the_k_rules_grow_with_the_workers_and_stop_at_density_one():
   assert ws.density_at("gtopk-0.01-mcm-logP", 16, N) == pytest.approx(0.02)
   assert ws.density_at("gtopk-0.01-P", 16, N) == pytest.approx(0.08)
   assert ws.density_at("gtopk-0.5-P", 16, N) == 1.0
-  assert ws.parse_system("allgather-0.01-mc") == ("allgather", 0.01, True, "", False, 1.0)
+  assert ws.parse_system("allgather-0.01-mc") == ("allgather", 0.01, True, "", False, 1.0,
+                                                  False)
+  assert ws.parse_system("gtopk-0.01-mc-w2-dw").dense_warmup
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "gtopk"])
+@pytest.mark.parametrize("workers", [2, 8, 16])
+def test_a_dense_warm_up_runs_dense_exactly_where_a_level_sends_more_than_dense(algorithm,
+                                                                                  workers):
+  from studies.time_to_accuracy.systems import density_per_step
+  config = os.path.join(ws.ROOT, "configs", "tta_fmnist_mlp.py")
+  per_epoch, total = 234, 468
+  plain = density_per_step(ws.run_config(config, [], f"{algorithm}-0.01-mc", workers, 0, N),
+                           per_epoch, total)
+  dw = density_per_step(ws.run_config(config, [], f"{algorithm}-0.01-mc-dw", workers, 0, N,
+                                      per_epoch), per_epoch, total)
+  dense = comm.wire_bytes("dense", n=N, nodes=workers, local=1)["inter"]
+  costly = np.array([comm.wire_bytes(algorithm, n=N, k=round(d * N), nodes=workers,
+                                     local=1)["inter"] >= dense for d in plain])
+  assert costly.any() and not costly[-1]  # the task's warm-up has such levels
+  np.testing.assert_array_equal(dw == 1.0, costly)  # the trainer's own levels
+  np.testing.assert_array_equal(dw[~costly], plain[~costly])
+  with pytest.raises(ValueError, match="steps per epoch"):
+    ws.run_config(config, [], f"{algorithm}-0.01-mc-dw", workers, 0, N)
 
 
 def test_masking_and_a_longer_warm_up_reach_the_run_config():
@@ -47,7 +70,7 @@ def test_masking_and_a_longer_warm_up_reach_the_run_config():
 
 @pytest.mark.parametrize("bad", ["dense-0.1", "allgather", "allgather-0.01-bytes", "gtopk-2",
                                  "topk-0.01", "gtopk-0.01-mc-sqrt",
-                                 "gtopk-0.01-w0", "gtopk-0.01-w4-P"])
+                                 "gtopk-0.01-dw-w4", "gtopk-0.01-w4-P"])
 def test_a_bad_system_name_is_named(bad):
   with pytest.raises(ValueError, match=f"system '{bad}'"):
     ws.parse_system(bad)
@@ -132,6 +155,22 @@ def test_time_at_nodes_is_steps_times_the_local_and_the_modelled_step():
         r["time_s"] for r in group if r["time_s"] is not None)
     assert group[0]["best_gtopk_over_allgather"] == pytest.approx(
         by[link, "allgather-0.01-mc"]["time_s"] / by[link, "gtopk-0.01-mc"]["time_s"])
+
+
+def test_time_at_nodes_counts_each_warm_up_level_and_a_dense_form_as_dense():
+  calibration = {"params": {"alpha_s": 0.001, "swap_factor": 1.3, "odd_swap_factor": 1.6,
+                            "merge_s_per_pair": 2e-7}, "link_overhead": 1.03}
+  results = _at_nodes_results(["100mbit"])
+  g = results["systems"][2]
+  g["levels"] = [[0.01, 290], [0.04, 6], [1.0, 4]]  # 4 dense steps, 6 at the warm-up's 0.04
+  row = {r["system"]: r for r in at_nodes.analyse(results, calibration)}["gtopk-0.01-mc"]
+  cl = at_nodes.cluster(calibration, 16, 1e8)
+  n = 10_007
+  want = (290 * (0.005 + 0.0005 + cost.network_time("gtopk", n, 0.01, cl))
+          + 6 * (0.005 + 0.002 + cost.network_time("gtopk", n, 0.04, cl))
+          + 4 * (0.005 + cost.network_time("dense", n, 1.0, cl)))
+  assert row["time_s"] == pytest.approx(want)
+  assert row["step_s"] == pytest.approx(want / 300) and row["warmup_steps"] == 10
 
 
 def test_time_at_nodes_writes_its_table_again(tmp_path):
@@ -279,3 +318,16 @@ def test_a_bad_shadow_system_is_named():
   with pytest.raises(ValueError, match="'gtopk-x'"):
     residuals.shadow_step("gtopk-x", None, None, None, k=1, axes="node", momentum=0.9,
                           nesterov=False)
+
+
+def test_time_at_nodes_refuses_results_of_another_task(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(ws.ROOT)
+  paths = []
+  for i, config in enumerate(["configs/tta_fmnist_mlp.py", "configs/tta_mnist_mlp.py"]):
+    path = tmp_path / f"s{i}.json"
+    path.write_text(json.dumps({"meta": {"config": config, "parameters": N, "seeds": 3},
+                                "runs": [], "rows": []}))
+    paths.append(str(path))
+  with pytest.raises(SystemExit):
+    at_nodes.main(["--results", ",".join(paths), "--out", str(tmp_path / "o.json")])
+  assert "tta_mnist_mlp.py" in capsys.readouterr().err

@@ -19,8 +19,11 @@ A step at P nodes of one worker each (the task's global batch split over them, a
            factors, a merge's seconds per pair, the interface's header overhead) at each
            bandwidth, the latency held at its fitted value at every bandwidth (`unlimited`:
            the latency alone).
-Time to target: the median steps to the target times the median step. R: dense's network time
-over its local step. At each link the rule picks the system with the least time to the target.
+Time to target: the sum over the median steps to the target of each step's time at the density
+it runs at: the DGC warm-up's steps run at its higher density levels (as the trainer rounds them,
+`levels_to`), the rest at the system's density; the local work at each level's k is measured.
+R: dense's network time over its local step. At each link the rule picks the system with the
+least time to the target.
 `--from-results JSON` writes the table again.
 """
 
@@ -186,17 +189,28 @@ def analyse(results: dict[str, Any], calibration: dict[str, Any]) -> list[dict[s
     group = []
     for s in results["systems"]:
       algorithm, density = s["algorithm"], s["density"]
-      k = max(1, round(density * n))
-      extra = 0.0 if algorithm == "dense" else statistics.median(
-          r["sparse_s"][f"{algorithm}:{k}"] for r in local)
-      net = cost.network_time(algorithm, n, density, cl)
-      step_s = dense_local + extra + net
       steps = s["steps_to_target"]
+      # [[density, steps at it], ...] up to the target (results before the warm-up was
+      # counted: every step at the system's density)
+      levels = s.get("levels") or [[density, steps or 0]]
+      local_s = net_s = 0.0
+      for level, count in levels:
+        # level 1: a dense step (dense, or a sparse system's dense form: an all-reduce)
+        form = "dense" if level >= 1.0 else algorithm
+        k = max(1, round(level * n))
+        extra = 0.0 if form == "dense" else statistics.median(
+            r["sparse_s"][f"{algorithm}:{k}"] for r in local)
+        local_s += count * (dense_local + extra)
+        net_s += count * cost.network_time(form, n, level, cl)
+      count = sum(c for _, c in levels) or 1
+      warmup = sum(c for d, c in levels if d != density)
       group.append({"link": link, "system": s["system"], "density": density,
-                  "from_workers": s.get("from_workers", nodes),
-                    "steps": steps, "final": s["final"], "local_s": dense_local + extra,
-                    "network_s": net, "step_s": step_s,
-                    "time_s": None if steps is None else steps * step_s,
+                    "from_workers": s.get("from_workers", nodes),
+                    "seeds": s.get("seeds", meta["seeds"]),
+                    "steps": steps, "warmup_steps": warmup, "final": s["final"],
+                    "local_s": local_s / count, "network_s": net_s / count,
+                    "step_s": (local_s + net_s) / count,
+                    "time_s": None if steps is None else local_s + net_s,
                     "R": dense_net / dense_local})
     timed = [g for g in group if g["time_s"] is not None]
     best = min(timed, key=lambda g: g["time_s"]) if timed else None
@@ -207,9 +221,25 @@ def analyse(results: dict[str, Any], calibration: dict[str, Any]) -> list[dict[s
     if allgather and logp:
       fastest = min(logp, key=lambda g: g["time_s"])
       for g in group:
-        g["best_gtopk_over_allgather"] = allgather[0]["time_s"] / fastest["time_s"]
+        g["best_gtopk_over_allgather"] = (min(a["time_s"] for a in allgather)
+                                          / fastest["time_s"])
     rows += group
   return rows
+
+
+def levels_of(config_path: str, sets: list[str], system: dict[str, Any], nodes: int, n: int,
+              total: int) -> list[list[float]]:
+  """[[density, steps at it], ...] over `system`'s median steps to the target at `nodes`
+  workers (of a `total`-step run): the density levels its DGC warm-up passes through, as the
+  trainer rounds them (`time_to_accuracy.systems.levels_to`), then its own density."""
+  from studies.time_to_accuracy.systems import levels_to
+  from studies.worker_scaling import run as ws
+  steps = system["steps_to_target"]
+  if steps is None or system["algorithm"] == "dense":
+    return [[system["density"], steps or 0]]
+  steps_per_epoch = round(total / ws.run_config(config_path, sets, "dense", nodes, 0, n).num_epochs)
+  config = ws.run_config(config_path, sets, system["system"], nodes, 0, n, steps_per_epoch)
+  return [[float(d), c] for d, c in levels_to(config, steps_per_epoch, total, math.ceil(steps))]
 
 
 def systems_at(scaling: dict[str, Any], nodes: int) -> list[dict[str, Any]]:
@@ -230,7 +260,8 @@ def systems_at(scaling: dict[str, Any], nodes: int) -> list[dict[str, Any]]:
     out.append({"system": row["system"], "algorithm": algorithm, "density": row["density"],
                 "steps_to_target": (None if any(s is None for s in steps)
                                     else statistics.median(steps)),
-                "steps_by_seed": steps, "final": statistics.median(row["final"]),
+                "steps_by_seed": steps, "seeds": len(steps),
+                "final": statistics.median(row["final"]),
                 "from_workers": row["workers"]})
   if not any(r["from_workers"] == nodes for r in out):
     raise ValueError(f"no runs at {nodes} workers in the results; workers there: "
@@ -244,29 +275,37 @@ def table(results: dict[str, Any]) -> str:
   lines = [
       f"Time to accuracy at {meta['nodes']} nodes of one worker on `{meta['config']}` "
       f"({meta['parameters']:,} parameters; per-worker batch {local[0]['batch']}): median "
-      f"steps to the target from `{meta['scaling']}` ({meta['seeds']} seeds) x the step at "
-      f"{meta['nodes']} nodes: local work measured on one core ({len(local)} process runs, "
+      f"steps to the target from `{meta['scaling']}` ({meta['seeds']} seeds), each step "
+      f"at {meta['nodes']} nodes at the density it runs at: local work measured on one "
+      f"core ({len(local)} process runs, "
       "median), network modelled (`sparsejax.cost` with the emulated cluster's calibration, "
       f"`{meta['calibration']}`; latency {1e3 * meta['alpha_s']:.3g} ms a message at every "
       f"link{'' if meta.get('alpha_from') is None else ', ' + meta['alpha_from']}). "
       "R: dense's network time over its local step. Picked: the least time to the target. "
-      "Steps marked (P=p): dense's from p workers (the same step at every P).", "",
-      "| link | R | system | density | steps | final | local ms | network ms | step ms | "
-      "time to target s | picked |",
-      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+      "Steps marked (P=p): dense's from p workers (the same step at every P). Warm-up: of "
+      "the steps to the target, those at the DGC warm-up's higher density levels or in the "
+      "exchange's dense form (`-dw`); local, "
+      "network and step: the mean over the steps to the target.", "",
+      "| link | R | system | density | steps | warm-up | final | local ms | network ms | "
+      "step ms | time to target s | picked |",
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in results["rows"]:
     time_s = "never" if r["time_s"] is None else f"{r['time_s']:.2f}"
     steps = "never" if r["steps"] is None else f"{r['steps']:g}"
     if r.get("from_workers", meta["nodes"]) != meta["nodes"]:
       steps += f" (P={r['from_workers']})"
+    if r.get("seeds", meta["seeds"]) != meta["seeds"]:
+      steps += f" ({r['seeds']} seed{'s' if r['seeds'] > 1 else ''})"
     lines.append(
         f"| {r['link']} | {r['R']:.2g} | {r['system']} | {r['density']:.4g} | {steps} | "
-        f"{r['final']:.4f} | {1e3 * r['local_s']:.2f} | {1e3 * r['network_s']:.2f} | "
+        f"{r.get('warmup_steps', '-')} | {r['final']:.4f} | {1e3 * r['local_s']:.2f} | "
+        f"{1e3 * r['network_s']:.2f} | "
         f"{1e3 * r['step_s']:.2f} | {time_s} | {'yes' if r['picked'] else ''} |")
   ratios = {r["link"]: r["best_gtopk_over_allgather"] for r in results["rows"]
             if "best_gtopk_over_allgather" in r}
   if ratios:
-    lines += ["", "TopK all-gather's time to the target over the fastest gTop-k system's "
+    lines += ["", "The fastest TopK all-gather system's time to the target over the fastest "
+              "gTop-k system's "
               "(above 1: gTop-k sooner): " + ", ".join(
                   f"{link} {v:.2f}" for link, v in ratios.items()) + "."]
   lines += ["", "Local step (ms, min / median / max over the process runs): dense "
@@ -278,7 +317,8 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--results", help="a worker_scaling results JSON (its config is the task)")
+  ap.add_argument("--results", help="worker_scaling results JSONs, comma-separated (the "
+                  "first's config is the task; a system in two files is taken from the first)")
   ap.add_argument("--config", help="the task's config (default: the results' own)")
   ap.add_argument("--set", dest="sets", action="append", default=None, metavar="KEY=VALUE")
   ap.add_argument("--nodes", type=int, default=16)
@@ -323,20 +363,36 @@ def main(argv: list[str] | None = None) -> int:
       ap.error(str(e))
     if args.nodes < 2 or args.runs < 1:
       ap.error(f"--nodes must be >= 2, got {args.nodes}; --runs >= 1, got {args.runs}")
-    with open(args.results) as f:
-      scaling = json.load(f)
+    files = [f for f in args.results.split(",") if f]
+    scalings = []
+    for path in files:
+      with open(path) as f:
+        scalings.append(json.load(f))
     with open(resolve(args.calibration)) as f:
       calibration = json.load(f)["calibration"]
-    smeta = scaling["meta"]
+    smeta = scalings[0]["meta"]
+    for path, other in zip(files[1:], scalings[1:]):
+      if (other["meta"]["config"], other["meta"]["parameters"]) != (smeta["config"],
+                                                                    smeta["parameters"]):
+        ap.error(f"--results {path}: config {other['meta']['config']} with "
+                 f"{other['meta']['parameters']} parameters; the first file's is "
+                 f"{smeta['config']} with {smeta['parameters']}")
     args.config = args.config or resolve(smeta["config"])
     args.sets = smeta.get("sets", []) if args.sets is None else args.sets
+    systems: list[dict[str, Any]] = []
     try:
-      systems = systems_at(scaling, args.nodes)
+      for scaling in scalings:  # the first file's system where two files have one
+        systems += [s for s in systems_at(scaling, args.nodes)
+                    if s["system"] not in {t["system"] for t in systems}]
     except ValueError as e:
       ap.error(str(e))
     n = smeta["parameters"]
-    sparse = sorted({(s["algorithm"], max(1, round(s["density"] * n))) for s in systems
-                     if s["algorithm"] != "dense"})
+    total = max(r["steps"] for scaling in scalings for r in scaling["runs"]
+                if r["workers"] == args.nodes)
+    for s in systems:
+      s["levels"] = levels_of(args.config, args.sets, s, args.nodes, n, total)
+    sparse = sorted({(s["algorithm"], max(1, round(d * n))) for s in systems
+                     if s["algorithm"] != "dense" for d, _ in s["levels"] if d < 1.0})
     if args.local_from:
       with open(args.local_from) as f:
         earlier = json.load(f)
@@ -351,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"meta": {
         "command": command_line(__file__, list(sys.argv[1:] if argv is None else argv)),
         "config": portable_path(args.config), "sets": args.sets,
-        "scaling": portable_path(args.results), "calibration": portable_path(args.calibration),
+        "scaling": ", ".join(portable_path(f) for f in files),
+        "calibration": portable_path(args.calibration),
         "alpha_s": (calibration["params"]["alpha_s"] if args.alpha_us is None
                     else 1e-6 * args.alpha_us),
         "alpha_from": None if args.alpha_us is None else (

@@ -60,18 +60,19 @@ from sparsejax.bench import (  # noqa: E402
 )
 
 SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mcm|-mc)?(?:-(bytes|sqrtP|logP|P))?"
-                    r"(?:-w([0-9.]+))?$")
+                    r"(?:-w([0-9.]+))?(-dw)?$")
 
 
 class System(NamedTuple):
-  """A system's name read: `<algorithm>-<density>[-mc|-mcm][-<k rule>][-w<factor>]`."""
+  """A system's name read: `<algorithm>-<density>[-mc|-mcm][-<k rule>][-w<factor>][-dw]`."""
 
   algorithm: str
   density: float
   mc: bool  # DGC's momentum correction
   rule: str  # gTop-k's k rule: "", "bytes", "sqrtP", "logP" or "P"
   masking: bool = False  # -mcm: the correction with DGC's momentum masking
-  warmup: float = 1.0  # -w<factor>: the task's density warm-up this many times as long
+  warmup: float = 1.0  # -w<factor>: the task's density warm-up this many times as long (0: none)
+  dense_warmup: bool = False  # -dw: the warm-up's levels that send more than dense run dense
 
 
 def parse_system(name: str) -> System:
@@ -81,16 +82,16 @@ def parse_system(name: str) -> System:
   if not m or (m.group(1) == "dense") != (m.group(2) is None) or (
       m.group(4) and m.group(1) != "gtopk"):
     raise ValueError(f"system {name!r}: expected dense or <allgather|gtopk>-<density>"
-                     "[-mc|-mcm][-w<factor>], gtopk with an optional -bytes, -sqrtP, -logP or -P "
-                     "before -w")
+                     "[-mc|-mcm][-w<factor>][-dw], gtopk with an optional -bytes, -sqrtP, -logP "
+                     "or -P before -w")
   density = float(m.group(2) or 1.0)
   if not 0 < density <= 1:
     raise ValueError(f"system {name!r}: density {density} is not in (0, 1]")
   warmup = float(m.group(5) or 1.0)
-  if not warmup > 0:
-    raise ValueError(f"system {name!r}: warm-up factor {warmup} is not > 0")
+  if not warmup >= 0:
+    raise ValueError(f"system {name!r}: warm-up factor {warmup} is not >= 0")
   return System(m.group(1), density, bool(m.group(3)), m.group(4) or "",
-                m.group(3) == "-mcm", warmup)
+                m.group(3) == "-mcm", warmup, bool(m.group(6)))
 
 
 def density_at(name: str, workers: int, n: int) -> float:
@@ -110,8 +111,10 @@ def density_at(name: str, workers: int, n: int) -> float:
   return density
 
 
-def run_config(config_path: str, sets: list[str], name: str, workers: int, seed: int, n: int):
-  """The task's config for one run: `workers` nodes of one worker, the system's exchange."""
+def run_config(config_path: str, sets: list[str], name: str, workers: int, seed: int, n: int,
+               steps_per_epoch: int = 0):
+  """The task's config for one run: `workers` nodes of one worker, the system's exchange
+  (`steps_per_epoch`: the task's, needed by `-dw`)."""
   from sparsejax.train import config as config_lib
   system = parse_system(name)
   overrides = [*sets, f"mesh.nodes={workers}", "mesh.local=1", f"mesh.num_devices={workers}",
@@ -125,7 +128,37 @@ def run_config(config_path: str, sets: list[str], name: str, workers: int, seed:
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), overrides)
   if system.warmup != 1.0:
     tree["compression"]["warmup_epochs"] *= system.warmup
-  return config_lib.validate(tree)
+  config = config_lib.validate(tree)
+  if system.dense_warmup:
+    if steps_per_epoch < 1:
+      raise ValueError(f"system {name!r}: -dw needs the task's steps per epoch, got "
+                       f"{steps_per_epoch}")
+    steps = dense_warmup_steps(system.algorithm, config.compression, workers, n,
+                               steps_per_epoch)
+    tree["compression"]["dense_epochs"] = steps / steps_per_epoch
+    config = config_lib.validate(tree)
+  return config
+
+
+def dense_warmup_steps(algorithm: str, comp, workers: int, n: int, steps_per_epoch: int) -> int:
+  """The first steps of the DGC warm-up during which its density level (as the trainer rounds
+  it: `train.schedules.density`, `compress.level_index`) would make a worker send as much as a
+  dense all-reduce at `workers` workers or more (`comm.wire_bytes`): those steps go dense."""
+  from sparsejax.compress import density_levels, level_index
+  from sparsejax.train import schedules
+  schedule = schedules.density(comp, steps_per_epoch)
+  if schedule is None:
+    return 0
+  dense = comm.wire_bytes("dense", n=n, nodes=workers, local=1)["inter"]
+  levels = density_levels(comp.density)
+  steps = 0
+  while True:
+    level = levels[level_index(levels, float(schedule(steps)))]
+    if level >= 1.0 or comm.wire_bytes(algorithm, n=n, k=max(1, round(level * n)),
+                                       nodes=workers, local=1)["inter"] >= dense:
+      steps += 1
+    else:
+      return steps
 
 
 def _finished(workdir: str) -> dict[str, Any] | None:
@@ -137,13 +170,13 @@ def _finished(workdir: str) -> dict[str, Any] | None:
   return None if summary.get("interrupted") or not summary.get("final_eval") else summary
 
 
-def run_one(args, task: str, name: str, workers: int, seed: int, n: int
-            ) -> dict[str, Any] | None:
+def run_one(args, task: str, name: str, workers: int, seed: int, n: int,
+            steps_per_epoch: int) -> dict[str, Any] | None:
   """Trains one run, or reads it where it finished; its record (None: not finished and
   `--finished-only`)."""
   from sparsejax.train.loop import train_and_evaluate
   workdir = os.path.join(args.workdir, task, f"P{workers}", name, f"seed{seed}")
-  config = run_config(args.config, args.sets, name, workers, seed, n)
+  config = run_config(args.config, args.sets, name, workers, seed, n, steps_per_epoch)
   summary = _finished(workdir)
   if summary is None and args.finished_only:
     return None
@@ -261,9 +294,11 @@ def collect(ap, args, argv: list[str]) -> dict[str, Any]:
     ap.error(str(e))
   if any(p < 2 for p in workers) or args.seeds < 1:
     ap.error(f"--workers must be >= 2, got {workers}; --seeds >= 1, got {args.seeds}")
+  from sparsejax import data as data_lib
   from studies.time_to_accuracy.systems import load_task, model_size
   task_config = load_task(args.config, args.sets)
-  n = model_size(task_config)
+  inputs = data_lib.open_inputs(task_config)
+  n, steps_per_epoch = model_size(task_config, inputs), inputs.steps_per_epoch
   task = os.path.splitext(os.path.basename(args.config))[0]
   results = {"meta": {
       "command": command_line(__file__, argv), "config": portable_path(args.config),
@@ -274,7 +309,7 @@ def collect(ap, args, argv: list[str]) -> dict[str, Any]:
       "runs": []}
   for p in workers:
     if workers == [MAX_WORKERS]:  # this process has the devices: the runs here, seed by seed
-      runs = [run_one(args, task, name, p, seed, n)
+      runs = [run_one(args, task, name, p, seed, n, steps_per_epoch)
               for seed in range(args.seeds) for name in systems]
       results["runs"] += [r for r in runs if r is not None]
     else:  # a process of its own with P CPU devices (a mesh takes every device there is)
