@@ -59,6 +59,13 @@ def test_a_dense_warm_up_runs_dense_exactly_where_a_level_sends_more_than_dense(
     ws.run_config(config, [], f"{algorithm}-0.01-mc-dw", workers, 0, N)
 
 
+def test_a_dense_warm_up_ends_with_the_warm_up_where_no_level_is_cheaper_than_dense():
+  # gTop-k at 0.2 sends more than dense at 16 workers: every warm-up step goes dense, no more
+  config = os.path.join(ws.ROOT, "configs", "tta_fmnist_mlp.py")
+  c = ws.run_config(config, [], "gtopk-0.2-mc-dw", 16, 0, N, 234)
+  assert c.compression.dense_epochs == pytest.approx(round(0.2 * 234) / 234)
+
+
 def test_masking_and_a_longer_warm_up_reach_the_run_config():
   config = os.path.join(ws.ROOT, "configs", "tta_fmnist_mlp.py")
   masked = ws.run_config(config, [], "gtopk-0.01-mcm-w4", 16, 0, N)

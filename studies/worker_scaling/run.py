@@ -151,14 +151,13 @@ def dense_warmup_steps(algorithm: str, comp, workers: int, n: int, steps_per_epo
     return 0
   dense = comm.wire_bytes("dense", n=n, nodes=workers, local=1)["inter"]
   levels = density_levels(comp.density)
-  steps = 0
-  while True:
-    level = levels[level_index(levels, float(schedule(steps)))]
-    if level >= 1.0 or comm.wire_bytes(algorithm, n=n, k=max(1, round(level * n)),
-                                       nodes=workers, local=1)["inter"] >= dense:
-      steps += 1
-    else:
-      return steps
+  warmup = int(round(comp.warmup_epochs * steps_per_epoch))  # (as `schedules.density`)
+  for step in range(warmup):
+    level = levels[level_index(levels, float(schedule(step)))]
+    if level < 1.0 and comm.wire_bytes(algorithm, n=n, k=max(1, round(level * n)),
+                                       nodes=workers, local=1)["inter"] < dense:
+      return step
+  return warmup  # (a density that sends more than dense: only the warm-up goes dense)
 
 
 def _finished(workdir: str) -> dict[str, Any] | None:
