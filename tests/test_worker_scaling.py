@@ -105,6 +105,43 @@ def test_the_table_compares_gtopk_with_allgather_at_the_same_workers(tmp_path):
   assert "| gtopk-0.01-mc | 16 |" in (tmp_path / "o.md").read_text()
 
 
+def test_the_mean_curve_reaches_the_target_where_the_seeds_mean_first_does():
+  # seed 0 crosses at 24, seed 1 at 48; their mean (0.84, 0.845, 0.855) first at 36
+  curves = [[[12, 0.80], [24, 0.86], [36, 0.85], [48, 0.85]],
+            [[12, 0.80], [24, 0.82], [36, 0.86], [48, 0.86], [60, 0.9]]]
+  assert ws.mean_curve_step(curves, "accuracy", 0.85) == 36
+  assert ws.mean_curve_step(curves, "accuracy", 0.88) is None  # (60: not every seed's)
+  losses = [[[10, 5.0], [20, 4.6], [30, 4.4]], [[10, 5.2], [20, 4.4], [30, 4.5]]]
+  assert ws.mean_curve_step(losses, "loss", 4.5) == 20  # a loss reaches it from above
+
+
+def test_the_table_compares_the_mean_curves_where_every_run_kept_one(tmp_path):
+  def run(system, seed, curve):
+    return {"task": "t", "workers": 4, "system": system, "seed": seed, "density": 0.01,
+            "steps_to_target": 1, "final": 0.9, "steps": 100, "bytes_sent_per_step": 8e4,
+            "curve": curve}
+  runs = [run("allgather-0.01-mc", 0, [[10, 0.84], [20, 0.86]]),
+          run("allgather-0.01-mc", 1, [[10, 0.85], [20, 0.86]]),
+          run("gtopk-0.01-mc", 0, [[10, 0.80], [20, 0.84], [30, 0.86]]),
+          run("gtopk-0.01-mc", 1, [[10, 0.80], [20, 0.87], [30, 0.86]])]
+  rows = {r["system"]: r for r in ws.analyse(runs, ["allgather-0.01-mc", "gtopk-0.01-mc"],
+                                              [4], "accuracy", 0.85)}
+  assert rows["allgather-0.01-mc"]["mean_curve_step"] == 20
+  assert rows["gtopk-0.01-mc"]["mean_curve_step"] == 20
+  assert rows["gtopk-0.01-mc"]["curve_steps_over_allgather"] == 1.0
+  del runs[0]["curve"]  # a run without its curve: no mean curve for its system
+  rows = {r["system"]: r for r in ws.analyse(runs, ["allgather-0.01-mc", "gtopk-0.01-mc"],
+                                              [4], "accuracy", 0.85)}
+  assert rows["allgather-0.01-mc"]["mean_curve_step"] is None
+  assert "curve_steps_over_allgather" not in rows["gtopk-0.01-mc"]
+
+
+def test_a_run_s_curve_is_read_from_its_eval_csv(tmp_path):
+  (tmp_path / "eval.csv").write_text("step,accuracy,loss\n12,0.5,1.2\n24,0.75,0.9\n")
+  assert ws.eval_curve(str(tmp_path), "accuracy") == [[12, 0.5], [24, 0.75]]
+  assert ws.eval_curve(str(tmp_path), "loss") == [[12, 1.2], [24, 0.9]]
+
+
 # ----------------------------------------------------------------------------- at_nodes
 
 @pytest.mark.parametrize("text, bits", [("unlimited", float("inf")), ("10gbit", 1e10),

@@ -41,6 +41,7 @@ if ROOT not in sys.path:  # run as `python studies/worker_scaling/run.py`: impor
   sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
+import csv  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -58,6 +59,7 @@ from sparsejax.bench import (  # noqa: E402
   spread,
   write_results,
 )
+from sparsejax.train.config import target_reached  # noqa: E402
 
 SYSTEM = re.compile(r"^(dense|allgather|gtopk)(?:-([0-9.]+))?(-mcm|-mc)?(?:-(bytes|sqrtP|logP|P))?"
                     r"(?:-w([0-9.]+))?(-dw)?$")
@@ -188,6 +190,7 @@ def run_one(args, task: str, name: str, workers: int, seed: int, n: int,
           flush=True)
   reached = summary.get("time_to_target")
   return {"task": task, "workers": workers, "system": name, "seed": seed,
+          "curve": eval_curve(workdir, config.target_metric),
           "density": config.compression.density if config.compression.algorithm != "dense"
           else 1.0,
           "steps_to_target": reached["step"] if reached else None,
@@ -195,15 +198,41 @@ def run_one(args, task: str, name: str, workers: int, seed: int, n: int,
           "bytes_sent_per_step": summary["bytes_sent"] / max(summary["steps"], 1)}
 
 
+def eval_curve(workdir: str, metric: str) -> list[list[float]]:
+  """[[step, metric], ...] of every evaluation of a finished run (its eval.csv)."""
+  with open(os.path.join(workdir, "eval.csv")) as f:
+    return [[int(r["step"]), float(r[metric])] for r in csv.DictReader(f)]
+
+
+def mean_curve_step(curves: list[list[list[float]]], metric: str, target: float) -> int | None:
+  """The first evaluation step at which the seeds' mean metric reaches `target` (steps every
+  seed evaluated at; None if it never does). Less noisy than each seed's own first step at the
+  target where the curve is flat there: a seed's metric a step varies by more than the curve
+  rises between evaluations."""
+  common = sorted(set.intersection(*({int(s) for s, _ in c} for c in curves)))
+  at = [dict((int(s), v) for s, v in c) for c in curves]
+  for step in common:
+    if target_reached(metric, statistics.fmean(a[step] for a in at), target):
+      return step
+  return None
+
+
 def _median(values: list[float]) -> float | None:
   values = [v for v in values if v is not None]
   return statistics.median(values) if values else None
 
 
-def analyse(runs: list[dict[str, Any]], systems: list[str], workers: list[int]
-            ) -> list[dict[str, Any]]:
-  """One row per (system, P): steps to target and final metric over the seeds, and the median
-  steps over all-gather's (at the same density, where it ran) at that P."""
+def analyse(runs: list[dict[str, Any]], systems: list[str], workers: list[int],
+            metric: str = "accuracy", target: float | None = None) -> list[dict[str, Any]]:
+  """One row per (system, P): steps to target and final metric over the seeds, the step at
+  which the seeds' mean curve reaches the target (where every run has its curve and `target`
+  is given), and the median steps and the mean-curve step over all-gather's (at the same
+  density, where it ran) at that P."""
+  def curve_step(group):
+    if target is None or not group or any("curve" not in r for r in group):
+      return None
+    return mean_curve_step([r["curve"] for r in group], metric, target)
+
   rows = []
   for p in workers:
     for name in systems:
@@ -215,7 +244,8 @@ def analyse(runs: list[dict[str, Any]], systems: list[str], workers: list[int]
              "density": group[0]["density"], "steps_to_target": steps,
              "reached": sum(s is not None for s in steps),
              "final": [r["final"] for r in group],
-             "bytes_per_step": statistics.fmean(r["bytes_sent_per_step"] for r in group)}
+             "bytes_per_step": statistics.fmean(r["bytes_sent_per_step"] for r in group),
+             "mean_curve_step": curve_step(group)}
       algorithm, density, mc, *_ = parse_system(name)
       ref = f"allgather-{density:g}{'-mc' if mc else ''}"
       base = [r for r in runs if r["workers"] == p and r["system"] == ref]
@@ -224,6 +254,9 @@ def analyse(runs: list[dict[str, Any]], systems: list[str], workers: list[int]
             [r["steps_to_target"] for r in base])
         row["final_minus_allgather"] = _median(row["final"]) - _median(
             [r["final"] for r in base])
+        mine, theirs = row["mean_curve_step"], curve_step(base)
+        if mine and theirs:
+          row["curve_steps_over_allgather"] = mine / theirs
       rows.append(row)
   return rows
 
@@ -236,16 +269,22 @@ def table(results: dict[str, Any]) -> str:
       "of one process, P nodes of one worker, the global batch split over them; no network, "
       "steps only). Steps: to the first evaluation at the target (never: a seed that did not "
       "reach it). Over all-gather: gTop-k's median steps over TopK all-gather's at the same "
-      "density and P, and its final metric's median minus all-gather's.", "",
-      "| system | P | density | steps to target | reached | final | MB sent / step | "
-      "steps / all-gather | final - all-gather |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "density and P, and its final metric's median minus all-gather's. Mean curve: the "
+      "first evaluation at which the seeds' mean metric reaches the target (its ratio to "
+      "all-gather's in brackets; '-' where runs kept no curve).", "",
+      "| system | P | density | steps to target | reached | mean curve | final | "
+      "MB sent / step | steps / all-gather | final - all-gather |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results["rows"]:
     ratio = r.get("steps_over_allgather")
     diff = r.get("final_minus_allgather")
+    curve = r.get("mean_curve_step")
+    curve_ratio = r.get("curve_steps_over_allgather")
+    curve_cell = ("-" if curve is None else f"{curve}" + (
+        f" ({curve_ratio:.2f}x)" if curve_ratio else ""))
     lines.append(
         f"| {r['system']} | {r['workers']} | {r['density']:.4g} | "
-        f"{spread(r['steps_to_target'], 0)} | {r['reached']}/{r['seeds']} | "
+        f"{spread(r['steps_to_target'], 0)} | {r['reached']}/{r['seeds']} | {curve_cell} | "
         f"{spread(r['final'], 4)} | {r['bytes_per_step'] / 1e6:.2f} | "
         f"{'-' if ratio is None else f'{ratio:.2f}'} | "
         f"{'-' if diff is None else f'{diff:+.4f}'} |")
@@ -274,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
       results = json.load(f)
   else:
     results = collect(ap, args, list(sys.argv[1:] if argv is None else argv))
-  results["rows"] = analyse(results["runs"], results["meta"]["systems"],
-                            results["meta"]["workers"])
+  meta = results["meta"]
+  results["rows"] = analyse(results["runs"], meta["systems"], meta["workers"], meta["metric"],
+                            meta["target"])
   text = table(results)
   print(text)
   write_results(args.out, results, text)
