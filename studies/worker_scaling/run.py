@@ -23,8 +23,10 @@ Systems, `<algorithm>-<density>[-mc][-<k rule>]`:
   -w<factor>             the task's density warm-up (DGC's) `factor` times as long.
 Each worker count's runs go seed by seed, each in its own folder under `--workdir`
 (`<task>/P<p>/<system>/seed<s>`); a finished run is read, not repeated. The table: per system and
-P, the steps to the target and the final metric (min / median / max over seeds), and the median
-steps over all-gather's at that P.
+P, the steps to the target and the final metric (min / median / max over seeds), the step at
+which the seeds' mean curve reaches the target (each run's evaluations are kept), and both over
+all-gather's at that P. On a task whose curve is flat at the target one seed's steps vary by
+more than 10%: compare medians of 3 seeds with that in mind (the study's README).
 """
 
 from __future__ import annotations
