@@ -432,7 +432,9 @@ def test_a_task_where_sparse_needs_more_steps_keeps_dense_at_a_fast_link(tmp_pat
   to the step) keeps dense at every measurement, and its lag saw the penalty: the step factor it
   used (1 + lag / steps left) is large at every choice. (`auto.margin` 0.5: windows of 3 steps
   on a loaded machine are noisy; in one CI run a window read dense's 2 ms step as 4.9 ms, and
-  the default margin of 5% let a 6% gain switch to sparse.)"""
+  the default margin of 5% let a 6% gain switch to sparse. A probe on a machine loaded by other
+  tests can read the in-process link as slow, 3 Mbit/s in one CI run, where sparse is then the
+  right choice: the choices held to dense are those made at a link read as fast.)"""
   def final(algorithm):
     summary = train_and_evaluate(_penalty_config(**{"compression.algorithm": algorithm}),
                                  str(tmp_path / algorithm), progress=False)
@@ -442,7 +444,8 @@ def test_a_task_where_sparse_needs_more_steps_keeps_dense_at_a_fast_link(tmp_pat
   summary = train_and_evaluate(_penalty_config(**{"auto.probe_budget": 0.5, "auto.margin": 0.5}),
                                str(tmp_path / "auto"), progress=False)
   choices = summary["exchange_choices"]
-  assert len(choices) >= 2 and [c["form"] for c in choices] == ["dense"] * len(choices), choices
+  fast = [c for c in choices if c.get("link_MBps", 0) >= 100]  # (a dense exchange here: ~1 ms)
+  assert len(fast) >= 2 and [c["form"] for c in fast] == ["dense"] * len(fast), choices
   for c in choices:
     assert c["factor_from"] == "lag" and c["lag_steps"] > 0.5 * c["remaining_steps"], c
   # the later choices rest on the dense steps the run took, not on a probe
