@@ -487,6 +487,38 @@ def test_a_close_call_is_settled_by_a_trial_of_the_other_form_in_the_run(tmp_pat
   assert not any(c.get("trial") for c in later), later
 
 
+@pytest.mark.integration
+def test_a_close_call_in_the_density_warm_up_is_tried_at_its_end(tmp_path, monkeypatch):
+  """A close call that keeps the dense form while the sparse form's density still warms up
+  waits for the warm-up's end, not for the budget's cadence: the next measurement is due at
+  that end, and the sparse form's trial runs there."""
+  monkeypatch.setattr(auto.AutoExchange, "TRIAL_WITHIN", 1e9)
+  config = _penalty_config(**{"compression.density": 0.05, "num_epochs": 5.0,
+                              "compression.warmup_epochs": 1.0,
+                              "compression.warmup_density": 0.25,
+                              "auto.probe_budget": 1e-4,  # (the cadence: far past the end)
+                              "auto.step_factor": 2.0})  # (dense chosen at step 0)
+  summary = train_and_evaluate(config, str(tmp_path), progress=False)
+  choices = summary["exchange_choices"]
+  at = next(i for i, c in enumerate(choices) if c.get("trial"))
+  assert at > 0 and 8 <= choices[at]["step"] <= 12, choices  # the warm-up's end (11 an epoch)
+  before = choices[at - 1]  # a close call during the warm-up: no trial, the next at its end
+  assert "trial" not in before and before["next_step"] == choices[at]["step"], before
+  assert before["form"] == "dense" and choices[at]["trial"] == "sparse", choices
+
+
+@pytest.mark.integration
+def test_the_first_link_read_is_taken_again_only_where_it_would_leave_dense_unrun(tmp_path):
+  """A slow misread of the link at step 0 would leave the dense form unrun (far off) and start
+  sparse: the link is then read again, the faster read kept. Where the dense form is timed,
+  its step bounds the link and the second read is not taken."""
+  summary = train_and_evaluate(auto_config(**{"num_epochs": 1.0}), str(tmp_path),
+                               progress=False)
+  first = summary["exchange_choices"][0]
+  assert ("link read twice" in first["how"]) == ("dense not run" in first["how"]), first
+  assert first["dense_step_ms"] > 0 and first["sparse_step_ms"] > 0, first
+
+
 def test_what_the_run_adds_is_never_negative():
   # an observation whose rest came out below its timing (a link misread: its modelled exchange
   # too long) leaves the other form's timed rest as it was

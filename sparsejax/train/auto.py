@@ -496,6 +496,9 @@ class AutoExchange:
     self.lead = jax.process_index() == 0
     # the steps timed since the last measurement: (level, first step, its start, paused seconds)
     self._window: tuple[int, int, float, float] | None = None
+    self._reread = ""  # the note of a second link read in the measurement under way
+    final = sparse_level(total_steps - 1)  # the density warm-up's end: its first final step
+    self.warmup_end = next((s for s in range(total_steps) if sparse_level(s) == final), 0)
     self._open_at: int | None = None  # the step whose start opens the next window
 
   @property
@@ -692,6 +695,14 @@ class AutoExchange:
     a link that moved) is a one-off."""
     return time.perf_counter() - self._start - sum(self._untimed)
 
+  def _read_again(self, read: Link) -> Link:
+    """The link read a second time, the faster read kept (a misread only ever reads slow: a
+    stall, another process on the core); noted for the log."""
+    again, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
+    self._reread = (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
+                    f"{8e-6 * again.bytes_per_s:.3g} Mbit/s), the faster kept")
+    return faster(read, again, 4 * self.shard)
+
   def _timed_steps(self, step: int, link: Link, probe_s: float, state: Any,
                    batch: Sequence[jax.Array]) -> tuple[str, dict[str, float], str, Link]:
     """The form in force's compiled step timed here (before the first choice: the cheaper
@@ -705,14 +716,21 @@ class AutoExchange:
     steps, other = {form: step_s}, _other(form)
     link = self._fit(link, steps)
     # the first measurement: the other form's step too (a rule skipping it wherever the link
-    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s; the
-    # first link is now read twice and the faster read kept)
+    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
     # (not run where its exchange alone rules it out: running it cost the CNN at 10 Mbit/s its
-    # compilation and two 1.2 s steps, the MNIST MLP at 500 Mbit/s about 10% of its run)
+    # compilation and two 1.2 s steps, the MNIST MLP at 500 Mbit/s about 10% of its run; the
+    # link is then read a second time first, the faster read kept: one CI run's in-process link
+    # read 0.8 Mbit/s at step 0 and auto started sparse. Where the dense form is timed its step
+    # bounds the link (`_fit`), and the second read, 40-65 ms at the MLPs' unlimited link, is
+    # not taken)
     how = "timed"
     # (at a new input size the other form is moved, not timed, where both were timed before)
     unmovable = self._resized_from is not None and set(self._resized_from) != set(FORMS)
     if other not in self._rest or self._stale(other, link) or unmovable:
+      first = not self._rest and not self._timed
+      if (first and other == "dense" and not self._reread
+          and self._far(other, link, step_s, step)):
+        link = self._fit(self._read_again(link), steps)
       if self._far(other, link, step_s, step):
         how = (f"timed; {other} not run (far off: its exchange alone "
                f"{1e3 * self._exchange(link)[other]:.0f} ms, its rest taken as {form}'s)")
@@ -732,16 +750,12 @@ class AutoExchange:
     self._untimed = []
     # (the guide is the same on every process: fitted from the slowest times)
     read, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
-    reread = ""
-    # read again before timing a form: at the first measurement (nothing to check a read
-    # against: one CI run's in-process link read 0.8 Mbit/s at step 0 and auto started sparse)
-    # and where a form's rest was taken at a link far from this read
-    if not self._rest or any(self._stale(form, read) for form in self._rest):
-      again, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link,
-                                         self._untimed)
-      reread = (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
-                f"{8e-6 * again.bytes_per_s:.3g} Mbit/s), the faster kept")
-      read = faster(read, again, 4 * self.shard)
+    self._reread = ""
+    # read again before timing a form where a form's rest was taken at a link far from this
+    # read (at the first measurement only where the read would leave the dense form unrun:
+    # `_timed_steps`)
+    if any(self._stale(form, read) for form in self._rest):
+      read = self._read_again(read)
     if self._select_s is None:  # one untimed call of each (compilation), then the fewest
       t0 = time.perf_counter()
       self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
@@ -771,7 +785,7 @@ class AutoExchange:
         now[other], moved = _moved(self._resized_from, form, now[form])
         how += f"; {other} moved by {1e3 * moved:+.1f} ms (the new input size)"
       self._resized_from = None
-    how += reread
+    how += self._reread
     if link != read:
       how += f"; the probes' link, {8e-6 * read.bytes_per_s:.3g} Mbit/s, raised to fit the steps"
     m = Measurement(link, form, steps[form], self._select_s, spread, how)
@@ -804,15 +818,31 @@ class AutoExchange:
     ran 25, its sparse step 22 and 19), so a close call is settled by the run's own steps. Only
     where the sparse form runs at its final density (after the density warm-up), measurements
     go on (`auto.probe_budget` > 0), the run has 4 trials' steps left, and once per form."""
+    other = self._close(step, chosen, step_s, factor)
+    return other if other is not None and step >= self.warmup_end else None
+
+  def _close(self, step: int, chosen: str, step_s: dict[str, float], factor: float
+             ) -> str | None:
+    """The other form where a trial of it is due (`_trial`) but for the density warm-up."""
     other = _other(chosen)
     to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * factor}
-    final = self.sparse_level(self.total_steps - 1)
     if (other in self._seen or any(e.get("trial") == other for e in self.history)
-        or not self.options.probe_budget or self.sparse_level(step) != final
-        or self.total_steps - step < 4 * (self.TRIAL_STEPS + 1)
+        or not self.options.probe_budget
+        or self.total_steps - max(step, self.warmup_end) < 4 * (self.TRIAL_STEPS + 1)
         or to_target[other] > self.TRIAL_WITHIN * to_target[chosen]):
       return None
     return other
+
+  def _next_close(self, step: int, next_step: int | None) -> int | None:
+    """The next measurement where a close call kept the dense form during the density warm-up
+    (the sparse form's trial waits for its final density): at the warm-up's end, if the
+    budget's cadence comes later (on Fashion-MNIST at the unlimited link a close call at step
+    0 waited for the budget's step 174, past the target at 108-120, and auto kept dense
+    throughout), so that the trial runs as soon as it can. (Not for a close call that chose
+    the sparse form: a dense trial at the warm-up's end on the same task cost two seeds of three
+    0.2-0.5 s, the dense form's first steps in a run taking 36-45 ms against its 31-35 later.)"""
+    at = max(self.warmup_end, step + self.MIN_WINDOW + 1)
+    return at if next_step is None else min(next_step, at)
 
   def _resized(self, batch: Sequence[jax.Array]) -> bool:
     """Whether the input's shape changed since the last step (progressive resizing): the run
@@ -854,6 +884,9 @@ class AutoExchange:
       factor = self._factor(step, m.spread)
       form = choose(step_s, factor, self.form, a.margin)
       trial = self._trial(step, form, step_s, factor)
+      next_step = self._next(step, step_s[form])
+      if form == "dense" and not trial and self._close(step, form, step_s, factor):
+        next_step = self._next_close(step, next_step)
       entry.update(form=trial or form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,
                    measured_step_ms=1e3 * m.step_s,
@@ -864,7 +897,7 @@ class AutoExchange:
                    remaining_steps=remaining, step_factor=factor,
                    factor_from=("auto.step_factor" if a.step_factor else
                                 "lag" if factor > a.min_step_factor else "auto.min_step_factor"),
-                   probe_ms=1e3 * self.probe_s, next_step=self._next(step, step_s[form]),
+                   probe_ms=1e3 * self.probe_s, next_step=next_step,
                    measure_ms=1e3 * (time.perf_counter() - self._start),
                    waited_ms=1e3 * (self._start - t0))
       if trial:  # measured again once the trial's steps have run
