@@ -351,6 +351,29 @@ def test_results_of_several_commands_are_analysed_together_and_another_task_is_r
     tta.merge_results([runs, runs], ["r.json", "r2.json"])
 
 
+def test_runs_trained_to_the_end_are_analysed_again_at_another_target():
+  """`--from-results A --target T`: each run's steps per density level are taken again up to
+  its first evaluation at T (the warm-up's levels from the run's config); runs stopped at
+  their own target are refused."""
+  meta = {"target": 0.8, "target_metric": "accuracy", "command": "a", "config": CONFIG,
+          "sets": ["compression.warmup_epochs=0.1"], "stop_at_target": False}
+  curve = [{"step": s, "accuracy": a, "train_time_s": s / 10, "node0_link_bytes": s}
+           for s, a in ((10, 0.5), (30, 0.81), (70, 0.86), (90, 0.87))]
+  row = {"system": "hitopk-0.01", "seed": 0, "steps_per_epoch": 200, "total_steps": 90,
+         "curve": curve, "levels_to_target": [[0.01, 30]]}
+  results = {"systems": ["hitopk-0.01"], "meta": meta, "train": [row]}
+  again = tta.at_target(results, 0.86, "b")
+  cfg = tta_systems.load_task(CONFIG, meta["sets"], "hitopk-0.01", 0)
+  levels = again["train"][0]["levels_to_target"]
+  assert levels == tta.levels_to(cfg, 200, 90, 70) != row["levels_to_target"]
+  assert sum(n for *_, n in levels) == 70 and len(levels) > 1  # the warm-up's levels too
+  assert again["meta"]["target"] == 0.86 and again["meta"]["command"] == "a`, then `b"
+  assert "levels_to_target" not in tta.at_target(results, 0.95, "b")["train"][0]  # not reached
+  assert results["meta"]["target"] == 0.8 and row["levels_to_target"] == [[0.01, 30]]
+  with pytest.raises(ValueError, match="stopped at their target"):
+    tta.at_target({**results, "meta": {**meta, "stop_at_target": True}}, 0.86, "b")
+
+
 def test_a_loss_target_is_reached_from_above():
   curve = [{"step": 25, "loss": 6.1, "accuracy": 0.1}, {"step": 50, "loss": 4.6, "accuracy": 0.2},
            {"step": 75, "loss": 4.4, "accuracy": 0.25}]

@@ -430,6 +430,27 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
   return merged
 
 
+def at_target(results: dict, target: float, command: str) -> dict:
+  """`results` to be analysed at `target`: each run's steps per density level up to its first
+  evaluation that reaches it (`levels_to`, from the run's config). A ValueError where the runs
+  stopped at their own target (their curves end there)."""
+  meta = results["meta"]
+  if meta.get("stop_at_target"):
+    raise ValueError(f"--target {target}: the runs stopped at their target ({meta['target']}); "
+                     "only runs trained to the end can be analysed at another")
+  train = []
+  for row in results.get("train", []):
+    row = {k: v for k, v in row.items() if k != "levels_to_target"}
+    hit = steps_to_target(row["curve"], target, meta["target_metric"])
+    if hit:
+      cfg = load_task(meta["config"], meta["sets"], row["system"], row["seed"])
+      row["levels_to_target"] = levels_to(cfg, row["steps_per_epoch"], row["total_steps"],
+                                          hit["step"])
+    train.append(row)
+  return {**results, "train": train,
+          "meta": {**meta, "target": target, "command": f"{meta['command']}`, then `{command}"}}
+
+
 def check_system_mesh(system: str, task, nodes: int) -> None:
   """Raises ValueError where `system`'s config (`task`) cannot run on the task's `nodes` nodes:
   its own overrides change mesh.nodes, or its mesh or batch fails `check_mesh`."""
@@ -474,6 +495,8 @@ def main(argv=None) -> int:
                   help="no runs: analyse a results file again, writing --out's table and plot; "
                   "given again, the files' runs of the same task are analysed together (e.g. "
                   "a parity phase and systems run later beside the runs)")
+  ap.add_argument("--target", type=float, help="with --from-results: analyse at this target "
+                  "instead of the runs' own (runs trained to the end, not stopped at a target)")
   # worker-only arguments
   ap.add_argument("--mode", choices=("driver", "run", "parity"), default="driver",
                   help=argparse.SUPPRESS)
@@ -507,10 +530,17 @@ def drive(ap, args) -> int:
       with open(name) as f:
         parts.append(json.load(f))
     try:
-      report(merge_results(parts, args.from_results), args.out)
+      merged = merge_results(parts, args.from_results)
+      if args.target is not None:
+        merged = at_target(merged, args.target, command_line(
+            "studies/time_to_accuracy/run.py", sys.argv[1:]))
+      report(merged, args.out)
     except ValueError as e:
       ap.error(str(e))
     return 0
+  if args.target is not None:
+    ap.error("--target re-analyses runs: give it with --from-results (a run's target is the "
+             "config's target_value: --set target_value=...)")
   if args.quick:
     args.sets = QUICK_SETS + args.sets
     args.systems = args.systems or "dense,hitopk-0.01,torch-ddp"
