@@ -135,7 +135,7 @@ def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, A
           "full": full("allgather")},
       "gtopk": {
           "select": smap(select),
-          "exchange": smap(lambda v, i, _: comm.gtopk_sums(v, i, n, WORKERS)),
+          "exchange": smap(lambda v, i: comm.gtopk_sums(v, i, n, WORKERS)),
           "apply": smap(lambda v, i, r, pos, sums: (lambda t, f: (t, f.residual))(
               *comm.gtopk_settle(v, i, Feedback(r), pos, sums, n, False))),
           "full": full("gtopk")},
@@ -157,7 +157,7 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str
     t = time.perf_counter()
     v, i, kept = jax.block_until_ready(progs["select"](x, r))
     rec["select"] = time.perf_counter() - t
-    inputs = (v, i) if name == "allgather" else (v, i, kept)
+    inputs = (v, i)
   sent = cluster.link_sent_bytes()  # before the barrier: it forks `ip`, which must not delay
   barrier()                          # a start (the barrier's own bytes are a few hundred)
   idle, cpu = _cpu_idle_jiffies(), time.process_time()
@@ -171,7 +171,7 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str
   if name == "dense":
     return rec
   t = time.perf_counter()
-  local = (*inputs, *out) if name == "gtopk" else out
+  local = (v, i, kept, *out) if name == "gtopk" else out
   jax.block_until_ready(progs["apply"](*local))
   rec["apply"] = time.perf_counter() - t
   barrier()
