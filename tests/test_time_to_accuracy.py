@@ -5,6 +5,7 @@ flax MLP."""
 import importlib.util
 import json
 import os
+import re
 import statistics
 
 import jax
@@ -408,11 +409,14 @@ def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
   choices = auto_run["exchange_choices"]
   assert choices[0]["step"] == 0 and choices[1]["step"] <= 5, choices
   assert choices[0]["link_MBps"] > 5  # --quick trains at 200 Mbit/s (25 MB/s) ...
-  after = [c["link_MBps"] for c in choices if c["step"] >= 7]
-  # ... then 20 Mbit/s = 2.5 MB/s: the first reading after the drop, and most of them (one may
-  # read higher: a step faster than the probed link allows raises the fitted link, which a
-  # small exchange inside tc's burst does; one CI run read 7.2 MB/s at one of three)
-  assert after and after[0] < 5 and statistics.median(after) < 5, after
+  after = [c for c in choices if c["step"] >= 7]
+  # ... then 20 Mbit/s = 2.5 MB/s: the probes' first reading after the drop, and most fitted
+  # links (one may read higher: a step faster than the probed link allows raises the fitted
+  # link, which a small exchange inside tc's burst does; CI runs read 7.2 and 5.9 MB/s, each
+  # at one of three, the latter raised from the probes' 22.3 Mbit/s)
+  raised = re.search(r"the probes' link, ([0-9.e+]+) Mbit/s, raised", after[0]["how"])
+  probed = float(raised.group(1)) / 8 if raised else after[0]["link_MBps"]
+  assert probed < 5 and statistics.median(c["link_MBps"] for c in after) < 5, after
   md = out.with_suffix(".md").read_text()
   assert "Training at 200mbit, then 20mbit from 20% of the recipe on" in md
 
