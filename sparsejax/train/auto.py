@@ -47,6 +47,7 @@ written to `auto.csv` and kept in the checkpoints' and summary.json's "exchange_
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import math
@@ -497,8 +498,11 @@ class AutoExchange:
     # the steps timed since the last measurement: (level, first step, its start, paused seconds)
     self._window: tuple[int, int, float, float] | None = None
     self._reread = ""  # the note of a second link read in the measurement under way
-    final = sparse_level(total_steps - 1)  # the density warm-up's end: its first final step
-    self.warmup_end = next((s for s in range(total_steps) if sparse_level(s) == final), 0)
+    # the density warm-up's end: its first step at the final level (the levels only fall,
+    # from the dense start's and the warm-up's to the final one: a search, not a scan of the run)
+    final = sparse_level(total_steps - 1)
+    self.warmup_end = bisect.bisect_left(range(total_steps), True,
+                                         key=lambda s: sparse_level(s) == final)
     self._open_at: int | None = None  # the step whose start opens the next window
 
   @property
@@ -715,14 +719,12 @@ class AutoExchange:
     step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
     steps, other = {form: step_s}, _other(form)
     link = self._fit(link, steps)
-    # the first measurement: the other form's step too (a rule skipping it wherever the link
-    # model ruled it out chose on one misread probe: an in-process link read at 0.3 MB/s)
-    # (not run where its exchange alone rules it out: running it cost the CNN at 10 Mbit/s its
-    # compilation and two 1.2 s steps, the MNIST MLP at 500 Mbit/s about 10% of its run; the
-    # link is then read a second time first, the faster read kept: one CI run's in-process link
-    # read 0.8 Mbit/s at step 0 and auto started sparse. Where the dense form is timed its step
-    # bounds the link (`_fit`), and the second read, 40-65 ms at the MLPs' unlimited link, is
-    # not taken)
+    # the first measurement: the other form's step too, unless its exchange alone rules it out
+    # (running it cost the CNN at 10 Mbit/s its compilation and two 1.2 s steps, the MNIST MLP
+    # at 500 Mbit/s about 10% of its run). Before ruling the dense form out on the first read,
+    # the link is read again, the faster kept (one CI run's in-process link read 0.8 Mbit/s at
+    # step 0 and auto started sparse); where the dense form is timed, its step bounds the link
+    # (`_fit`) and no second read (40-65 ms on the MLPs) is taken.
     how = "timed"
     # (at a new input size the other form is moved, not timed, where both were timed before)
     unmovable = self._resized_from is not None and set(self._resized_from) != set(FORMS)
@@ -810,20 +812,15 @@ class AutoExchange:
     lag = lag_steps(spread, self.compression.density)
     return max(step_factor(lag, self.total_steps - step), self.options.min_step_factor)
 
-  def _trial(self, step: int, chosen: str, step_s: dict[str, float], factor: float
+  def _close(self, step: int, chosen: str, step_s: dict[str, float], factor: float
              ) -> str | None:
     """The other form, to be run for TRIAL_STEPS steps, where it has not run in this run yet and
     its predicted time to the target is within TRIAL_WITHIN of the chosen form's: a step timed
     on a copy of the state is not a step of the run (the MNIST MLP's dense step timed 18 ms and
     ran 25, its sparse step 22 and 19), so a close call is settled by the run's own steps. Only
-    where the sparse form runs at its final density (after the density warm-up), measurements
-    go on (`auto.probe_budget` > 0), the run has 4 trials' steps left, and once per form."""
-    other = self._close(step, chosen, step_s, factor)
-    return other if other is not None and step >= self.warmup_end else None
-
-  def _close(self, step: int, chosen: str, step_s: dict[str, float], factor: float
-             ) -> str | None:
-    """The other form where a trial of it is due (`_trial`) but for the density warm-up."""
+    where measurements go on (`auto.probe_budget` > 0), the run has 4 trials' steps left after
+    the density warm-up, and once per form; the trial itself waits for the warm-up's end (the
+    sparse form at its final density: `before_step`, `_next_close`)."""
     other = _other(chosen)
     to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * factor}
     if (other in self._seen or any(e.get("trial") == other for e in self.history)
@@ -883,9 +880,10 @@ class AutoExchange:
       lag = None if m.spread is None else lag_steps(m.spread, c.density)
       factor = self._factor(step, m.spread)
       form = choose(step_s, factor, self.form, a.margin)
-      trial = self._trial(step, form, step_s, factor)
+      close = self._close(step, form, step_s, factor)
+      trial = close if close and step >= self.warmup_end else None
       next_step = self._next(step, step_s[form])
-      if form == "dense" and not trial and self._close(step, form, step_s, factor):
+      if close and not trial and form == "dense":  # (during the warm-up)
         next_step = self._next_close(step, next_step)
       entry.update(form=trial or form, why="measured", link_MBps=m.link.bytes_per_s / 1e6,
                    call_ms=1e3 * m.link.fixed_s, select_ms=1e3 * m.select_s, measured=m.form,
