@@ -229,21 +229,86 @@ def _dense_run(collective: comm.SparseCollective, part: jax.Array, feedback: Fee
 
 
 def _bytes_sent(algorithm: str, n: int, part_len: int, levels: tuple[float, ...], nodes: int,
-                local: int) -> jax.Array:
-  """float32[len(levels) + 1]: a worker's bytes sent at each level, and in the dense form."""
+                local: int, whole: Any = None) -> jax.Array:
+  """float32[len(levels) + 1]: a worker's bytes sent at each level (with `whole`, its
+  positions' all-reduce too), and in the dense form."""
+  hierarchical = algorithm in comm.HIERARCHICAL_ALGORITHMS
+  extra = 0.0
+  if whole is not None:
+    count = _whole_table(whole, n, local, hierarchical).shape[1]
+    b = comm.wire_bytes("dense", n=count, nodes=nodes, local=1 if hierarchical else local)
+    extra = b["inter"] + b["intra"]
   sent = [comm.wire_bytes(algorithm, n=n, k=max(1, round(lv * part_len)), nodes=nodes,
                           local=local) for lv in levels]
-  sent.append(comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local))
-  return jnp.asarray([s["inter"] + s["intra"] for s in sent], jnp.float32)
+  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
+  return jnp.asarray([s["inter"] + s["intra"] + extra for s in sent]
+                     + [dense["inter"] + dense["intra"]], jnp.float32)
+
+
+def _whole_table(whole: Any, padded: int, local: int, hierarchical: bool) -> np.ndarray:
+  """int32[shards, c]: the positions, within each worker's part, of the elements `whole` marks
+  (bool over the flat buffer); `part_len` pads a shard with fewer (dropped where used)."""
+  mask = np.zeros(padded, bool)
+  whole = np.asarray(whole, bool).reshape(-1)
+  if whole.shape[0] > padded:
+    raise ValueError(f"whole has {whole.shape[0]} flags for a buffer of {padded} values")
+  mask[:whole.shape[0]] = whole
+  shards = local if hierarchical else 1
+  part_len = padded // shards
+  rows = [np.flatnonzero(mask[i * part_len:(i + 1) * part_len]) for i in range(shards)]
+  width = max(1, max(len(r) for r in rows))
+  table = np.full((shards, width), part_len, np.int32)
+  for i, r in enumerate(rows):
+    table[i, :len(r)] = r
+  return table
+
+
+def _settle(collective: comm.SparseCollective, whole: Any, values: jax.Array,
+            indices: jax.Array, kept: Feedback, local: int, masking: bool
+            ) -> tuple[jax.Array, Feedback]:
+  """`comm.settle` (the pairs), then `_send_whole` (the whole positions)."""
+  total, kept = comm.settle(collective, values, indices, kept, kept.residual.shape[0], masking)
+  return _send_whole(collective, whole, total, kept, local, masking)
+
+
+def _send_whole(collective: comm.SparseCollective, whole: Any, total: jax.Array,
+                kept: Feedback, local: int, masking: bool) -> tuple[jax.Array, Feedback]:
+  """After the pairs: what this worker still holds at the positions `whole` flags
+  (`_whole_table`) summed over the workers by an all-reduce of those values alone and added to
+  `total`, the residual emptied there (the velocity too with `masking`): these positions are
+  sent whole every step. `whole` None: `(total, kept)` as they are."""
+  if whole is None:
+    return total, kept
+  hierarchical = collective.name in comm.HIERARCHICAL_ALGORITHMS
+  part_len = kept.residual.shape[0]
+  table = _whole_table(whole, part_len * (local if hierarchical else 1), local, hierarchical)
+  if hierarchical:
+    node_axis, local_axis = collective.axes
+    shard = lax.axis_index(local_axis)
+    idx = jnp.asarray(table)[shard]
+  else:
+    idx = jnp.asarray(table[0])
+  values = kept.residual.at[idx].get(mode="fill", fill_value=0)
+  if hierarchical:
+    summed = lax.all_gather(lax.psum(values, node_axis), local_axis)  # [local, c]
+    offsets = (np.arange(table.shape[0]) * part_len)[:, None]
+    where = np.where(table < part_len, table + offsets, total.shape[0]).reshape(-1)
+    total = total.at[jnp.asarray(where)].add(summed.reshape(-1), mode="drop")
+  else:
+    total = total.at[idx].add(lax.psum(values, collective.axes), mode="drop")
+  residual = kept.residual.at[idx].set(0, mode="drop")
+  velocity = kept.velocity
+  if masking and velocity is not None:
+    velocity = velocity.at[idx].set(0, mode="drop")
+  return total, kept._replace(residual=residual, velocity=velocity)
 
 
 def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[float, ...],
             density_schedule: Callable | None, error_feedback: bool,
             correction: Correction | None, balance: str = "global", segments: Any = None,
-            dense_level: bool = False) -> optax.GradientTransformation:
-  """The mean through `collective`, `select`ing at one of `levels` per step, with error
-  feedback (`feedback_select(..., correction=correction)`) if `error_feedback`; with
-  `dense_level`, `density_level=len(levels)` runs `_dense_run`."""
+            dense_level: bool = False, whole: Any = None) -> optax.GradientTransformation:
+  """The mean through `collective`, `select`ing at one of `levels` a step, error feedback if
+  `error_feedback`; `dense_level`: `_dense_run` at level len(levels); `whole`: `_send_whole`."""
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"topk_allreduce(algorithm={collective.name!r})", collective.axes)
     layout = FlatLayout.from_tree(tree, pad_to=local)
@@ -287,7 +352,7 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
             part, feedback, k, select,
             correction=correction if collective.reduce is None else _unmasked(correction),
             **correction_args(feedback))
-        total, kept = comm.settle(collective, values, indices, kept, part_len, masking)
+        total, kept = _settle(collective, whole, values, indices, kept, local, masking)
         return total, kept if error_feedback else None
       return run
 
@@ -300,8 +365,8 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
       total, feedback = (runs[index](part, state.feedback) if isinstance(index, int)
                          else lax.switch(index, runs, part, state.feedback))
     return _mean_out(total, nodes * local, layout, updates), ExchangeState(
-        feedback, state.count + 1, jnp.asarray(levels + (1.0,), jnp.float32)[index],
-        _bytes_sent(collective.name, layout.padded_size, part_len, levels, nodes, local)[index])
+        feedback, state.count + 1, jnp.asarray(levels + (1.0,), jnp.float32)[index], _bytes_sent(
+            collective.name, layout.padded_size, part_len, levels, nodes, local, whole)[index])
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -312,7 +377,7 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
                    correction: Correction | None = None, error_feedback: bool = True,
                    density_schedule: Callable[[jax.Array], jax.Array] | None = None,
                    balance: str = "global", segments: Any = None, dense_level: bool = False,
-                   **deprecated: Any) -> optax.GradientTransformation:
+                   whole: Any = None, **deprecated: Any) -> optax.GradientTransformation:
   """Mean of the gradient over all workers, sent as top-k (value, index) pairs.
 
   Args:
@@ -363,6 +428,12 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       velocity or Adam direction) by an all-reduce ("dense" for the flat algorithms,
       "hierarchical" for the hierarchical ones) and empties the residual: nothing is lost when
       a run switches between sparse and dense exchanges (`sparsejax.train.auto`).
+    whole: bool flags over the flat buffer (the updates raveled, `FlatLayout` order; or a
+      shorter prefix of it), the elements sent whole every step beside the pairs: what a
+      worker still holds there after its selection is summed by an all-reduce of those values
+      alone (4 bytes each) and its memory there emptied. For small tensors whose every
+      coordinate matters, such as BatchNorm's scales and biases (DGC leaves them
+      uncompressed). Needs error feedback.
     **deprecated: `node_axis=`, `local_axis=` (now `axis_name=(node, local)`, or one name),
       `momentum=`, `nesterov=`, `momentum_masking=`, `adam=` (now `correction=`): still taken,
       with a DeprecationWarning, until the next release.
@@ -397,10 +468,13 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     return dense_mean(axes)
   if algorithm == "hierarchical":
     return hierarchical_mean(*axes)
+  if whole is not None and not error_feedback:
+    raise ValueError("whole= needs error_feedback=True (the whole positions are sent from the "
+                     "memory each worker keeps)")
   collective = comm.sparse_collective(algorithm, axes)
   levels = density_levels(density) if density_schedule is not None else (float(density),)
   return _sparse(collective, select, levels, density_schedule, error_feedback, correction,
-                 balance, segments, dense_level)
+                 balance, segments, dense_level, whole)
 
 
 _DEPRECATED = ("node_axis", "local_axis", "momentum", "nesterov", "momentum_masking", "adam")
@@ -414,7 +488,7 @@ def _deprecated(old: dict[str, Any], axis_name: Any, correction: Correction | No
   if unknown:
     raise TypeError(f"topk_allreduce got unexpected keyword(s) {unknown}; it takes density, "
                     "algorithm, selector, axis_name, correction, error_feedback, "
-                    "density_schedule, balance, segments, dense_level")
+                    "density_schedule, balance, segments, dense_level, whole")
   if "node_axis" in old or "local_axis" in old:
     if axis_name is not None:
       raise ValueError(f"give the axes either as axis_name or as node_axis/local_axis, not both "

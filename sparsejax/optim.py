@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -51,7 +51,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from sparsejax import cpu_kernels
+from sparsejax import cpu_kernels, sketch
 from sparsejax.flat import FlatLayout
 
 __all__ = ["DEFAULT_ALIGN", "FusedMomentumState", "FusedAdamState", "fused_sgd", "fused_lars",
@@ -600,11 +600,20 @@ def fused_lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule =
 
 def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_mask: Any = True,
                    trust_coefficient: Scalar = 0.001, eps: Scalar = 0.0,
-                   trust_ratio_mask: Any = True) -> Callable[[jax.Array, jax.Array], jax.Array]:
+                   trust_ratio_mask: Any = True, *, axes: str | Sequence[str] | None = None,
+                   buckets: int = 256) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """`(g, p) -> direction` on the flat face of `layout`: optax.lars's update before its learning
   rate and momentum, `(g + weight_decay * p)` times each leaf's trust ratio (`fused_lars`'s
   pieces; for momentum correction, where each worker scales its own gradient before the
-  exchange)."""
+  exchange).
+
+  `axes=None`: the trust ratio from this worker's own `g + weight_decay * p`. With the workers'
+  mesh `axes` (inside `shard_map`), from the norm of the workers' mean of it, as LARS after a
+  dense exchange has it, estimated from count sketches of `buckets` bins a leaf
+  (`sparsejax.sketch.mean_norms`: one all-reduce of `buckets + 2` floats a leaf); every worker
+  then scales by the same ratio, so the mean of the directions is LARS's direction of the mean
+  gradient. The sketch's hash is drawn from the parameters' norms (the same on every worker,
+  new every step)."""
   weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
   trust_coefficient = _check_scalar("trust_coefficient", trust_coefficient, 0.0)
   eps = _check_scalar("eps", eps, 0.0)
@@ -616,6 +625,10 @@ def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_
     g, p = g.astype(jnp.float32), p.astype(jnp.float32)
     d = g + _decay(plan, jnp.float32(weight_decay)) * p
     param_norm, update_norm = _leaf_norms(plan, p, d)
+    if axes is not None:
+      seed = lax.bitcast_convert_type(jnp.sum(param_norm), jnp.uint32)
+      update_norm = sketch.mean_norms(plan.rows(d), plan.row_ids, layout.num_leaves + 1, axes,
+                                      buckets=buckets, seed=seed)
     return d * _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
 
   return direction

@@ -79,6 +79,41 @@ def test_error_feedback_loses_nothing(rng, nodes, local, algorithm):
   assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
 
 
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "gtopk", "higtopk"])
+def test_whole_positions_are_sent_whole_every_step(rng, nodes, local, algorithm):
+  """`whole=`: at the flagged positions (here the vectors "b" and "s" of the tree, 14 of 120
+  values, split unevenly over the hierarchical shards) every step's output is the workers'
+  exact mean of that step's gradients and the memory stays empty; elsewhere the exchange is
+  sparse; nothing is lost."""
+  p, steps = nodes * local, 5
+  seq = [grads_like(rng, p) for _ in range(steps)]
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float32).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  n = leaves(seq[0]).shape[1]
+  whole = np.zeros(n, bool)
+  whole[:13] = True  # "b" (13 values), then "e" (15), "s" (1), "w" (91)
+  whole[28] = True
+  tx = topk_allreduce(0.02, algorithm=algorithm, whole=whole)
+  outs, state = run_steps(make_mesh(nodes, local), tx, seq)
+  for g, out in zip(seq, outs, strict=True):
+    np.testing.assert_allclose(leaves(out)[0][whole], leaves(g).mean(0)[whole], rtol=1e-5,
+                               atol=1e-6)
+    assert np.count_nonzero(leaves(out)[0][~whole]) < n // 2
+  residual = np.asarray(state.feedback.residual)
+  kept = (residual.reshape(nodes, -1).sum(0) if algorithm in ("hitopk", "higtopk")
+          else residual.sum(0))[:n]
+  assert np.all(kept[whole] == 0)
+  sent = sum(leaves(o)[0] for o in outs) * p
+  np.testing.assert_allclose(sent + kept, sum(leaves(g).sum(0) for g in seq), rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_whole_positions_need_error_feedback():
+  with pytest.raises(ValueError, match="whole= needs error_feedback=True"):
+    topk_allreduce(0.1, whole=np.ones(3, bool), error_feedback=False)
+
+
 @pytest.mark.parametrize("algorithm,bad", [("hitopk", np.nan), ("dense", -np.inf)])
 def test_non_finite_gradient_skips_step(rng, algorithm, bad):
   nodes, local = 2, 4
@@ -206,6 +241,34 @@ def test_momentum_correction_loses_nothing(rng, masking):
   np.testing.assert_allclose(merged(state.feedback.residual), total_u, rtol=1e-4, atol=1e-4)
   assert sent.any()
   assert np.count_nonzero(leaves(outs[0])[0]) < n // 2
+
+
+def test_feedback_in_steps_moves_each_gradient_at_its_own_step_s_rate(rng):
+  """`learning_rate_first` (experimental.feedback_in="steps") in front of the compressor with
+  momentum correction: the residual and velocity hold each step's gradient times that step's
+  learning rate, so what was sent plus what is kept is momentum SGD's steps at a changing
+  rate, whenever a value is sent."""
+  from sparsejax.train.optimizer import learning_rate_first
+  nodes, local, m = 1, 8, 0.9
+  p, steps = nodes * local, 7
+  rate = lambda count: 0.7 + 0.45 * count  # noqa: E731 (a rate that changes every step)
+  seq = [grads_like(rng, p) for _ in range(steps)]
+  tx = learning_rate_first(
+      topk_allreduce(0.03, algorithm="hitopk",
+                     correction=MomentumCorrection(m, masking=False)), rate)
+  outs, state = run_steps(make_mesh(nodes, local), tx, seq)
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  n = leaves(seq[0]).shape[1]
+  velocity, kept = np.zeros(n), np.zeros(n)
+  for t, (g, out) in enumerate(zip(seq, outs, strict=True)):
+    velocity = m * velocity + rate(t) * leaves(g).sum(0)
+    kept += velocity - leaves(out)[0] * p
+  np.testing.assert_allclose(np.asarray(state.feedback.velocity).reshape(-1)[:n], velocity,
+                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(state.feedback.residual).reshape(-1)[:n], kept,
+                             rtol=1e-4, atol=1e-4)
+  assert 0 < np.count_nonzero(leaves(outs[-1])[0]) < n // 2
 
 
 def test_bad_input():

@@ -321,12 +321,15 @@ def test_lars_first_is_optax_lars_decay_and_trust_ratio(rng):
   np.testing.assert_array_equal(np.asarray(zero), np.asarray(grads["zero"]["kernel"]))
 
 
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov):
+@pytest.mark.parametrize("nesterov,feedback_in", [(False, "gradients"), (True, "gradients"),
+                                                  (False, "steps")])
+def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov, feedback_in):
   """LARS with momentum correction (each worker's decay and trust ratio in front of the
   compressor, its momentum in it, a plain SGD behind it): with every coordinate sent (density 1,
   no masking) and every worker given the same batch (so each worker's trust ratio is the mean
-  gradient's), three steps move the parameters as the dense trainer's fused LARS does."""
+  gradient's), three steps move the parameters as the dense trainer's fused LARS does; with
+  the learning rate in front of the exchange too (`experimental.feedback_in="steps"`; the rate
+  is constant here, where the two forms agree)."""
   changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
              "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
              "optimizer.nesterov": nesterov, "optimizer.warmup_epochs": 0.0,
@@ -339,7 +342,8 @@ def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nester
   for more in ({"compression.algorithm": "dense"},
                {"compression.algorithm": "hitopk", "compression.density": 1.0,
                 "compression.momentum_correction": True,
-                "experimental.momentum_masking": False}):
+                "experimental.momentum_masking": False,
+                "experimental.feedback_in": feedback_in}):
     config = validate(small_config(**changes, **more))
     setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
     if more["compression.algorithm"] == "hitopk":
@@ -354,6 +358,85 @@ def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nester
   dense, corrected = results
   assert np.count_nonzero(dense) > dense.size // 2
   np.testing.assert_allclose(corrected, dense, rtol=1e-3, atol=1e-4 * np.abs(dense).max())
+
+
+@pytest.mark.parametrize("trust_ratio", ["worker", "mean"])
+def test_lars_with_momentum_correction_takes_the_mean_gradient_s_trust_ratio(trust_ratio):
+  """Every worker a different batch (so each worker's gradient is noisier than the mean): with
+  every coordinate sent, `experimental.lars_trust_ratio="mean"` (the norm of the workers' mean,
+  sketched) moves the parameters as the dense trainer's LARS does, within the sketch's error;
+  each worker's own trust ratio ("worker") takes shorter steps than LARS."""
+  changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
+             "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
+             "optimizer.warmup_epochs": 0.0, "optimizer.schedule": "constant",
+             "model.num_filters": 4, "compression.warmup_epochs": 0.0}
+  mesh = make_mesh(2, 4)
+  train, _ = data_lib.digits()
+  results = []
+  for more in ({"compression.algorithm": "dense"},
+               {"compression.algorithm": "hitopk", "compression.density": 1.0,
+                "compression.momentum_correction": True,
+                "experimental.momentum_masking": False,
+                "experimental.lars_trust_ratio": trust_ratio}):
+    config = validate(small_config(**changes, **more))
+    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    start = np.asarray(state.params, np.float64)
+    step = jit_train_step(setup, state)
+    for i in range(3):
+      batch = np.arange(i * 8 * 7, (i + 1) * 8 * 7)  # 7 images a worker, none shared
+      state, _ = step(state, *shard_batch(mesh, train.images[batch], train.labels[batch]))
+    results.append(np.asarray(state.params, np.float64) - start)
+  dense, corrected = results
+  error = np.linalg.norm(corrected - dense) / np.linalg.norm(dense)
+  if trust_ratio == "mean":  # measured: 0.055 ("worker": 0.35)
+    assert error < 0.12, error
+  else:
+    assert error > 0.2, error
+
+
+def test_whole_vectors_send_the_one_dimensional_leaves_whole():
+  """experimental.whole_vectors: in the trainer's sparse exchange with momentum correction,
+  after each step no worker holds anything back on BatchNorm's scales and biases (leaves of
+  one dimension), while it holds back most kernel coordinates; the bytes a step count them."""
+  base = {"compression.momentum_correction": True, "compression.density": 0.02,
+          "experimental.momentum_masking": False, "model.num_filters": 4,
+          "compression.warmup_epochs": 0.0}
+  mesh = make_mesh(2, 4)
+  train, _ = data_lib.digits()
+  sent = {}
+  for whole in (False, True):
+    config = validate(small_config(**base, **{"experimental.whole_vectors": whole}))
+    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    step = jit_train_step(setup, state)
+    for i in range(2):
+      state, _ = step(state, *shard_batch(mesh, train.images[i * 64:(i + 1) * 64],
+                                          train.labels[i * 64:(i + 1) * 64]))
+    sent[whole] = float(np.asarray(state.comm_state.bytes_sent).max())
+    vectors = setup.layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) <= 1, t))
+    kernels = setup.layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) > 1, t))
+    # each node's workers hold its shards in order; a position's memory is over the nodes
+    held = np.abs(np.asarray(state.comm_state.feedback.residual)).reshape(2, -1).sum(0)
+    assert np.count_nonzero(held[kernels]) > 0.9 * kernels.sum()
+    if whole:
+      assert np.all(held[vectors] == 0)
+    else:
+      assert np.count_nonzero(held[vectors]) > 0  # measured: 42 of 402 (their gradients are
+      # large: the top-k takes most of them anyway)
+  assert sent[True] > sent[False]
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"experimental.lars_trust_ratio": "global"}, "lars_trust_ratio.*'worker' or 'mean'"),
+    ({"experimental.feedback_in": "params"}, "feedback_in.*'gradients' or 'steps'"),
+    ({"experimental.whole_vectors": True, "compression.error_feedback": False},
+     "error_feedback.*True when experimental.whole_vectors"),
+    ({"experimental.feedback_in": "steps"}, "feedback_in.*unless compression.momentum_corr"),
+    ({"experimental.feedback_in": "steps", "compression.momentum_correction": True,
+      "optimizer.name": "adamw"}, "feedback_in.*optimizer.name sgd or lars"),
+])
+def test_the_correction_s_options_name_what_is_allowed(changes, match):
+  with pytest.raises(ValueError, match=match):
+    validate(small_config(**changes))
 
 
 def test_momentum_correction_needs_sgd_or_lars_with_momentum():

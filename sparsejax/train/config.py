@@ -191,6 +191,18 @@ def _experimental_defaults() -> ml_collections.ConfigDict:
       # "global": one top-k over the whole gradient; "tensor": each tensor's candidates scaled
       # to an RMS near 1 first, so each gets about its share (plain error feedback only)
       "balance": "global",
+      # with lars and momentum_correction: the trust ratio each worker scales its gradient by
+      # before the exchange. "worker": from its own gradient's norm (larger than the mean's, so
+      # the step is shorter than LARS's); "mean": from the norm of the workers' mean gradient,
+      # estimated from count sketches (sparsejax.sketch: 258 floats a kernel all-reduced)
+      "lars_trust_ratio": "worker",
+      # with momentum correction (sgd, lars): what the residual and velocity hold. "gradients":
+      # the learning rate is applied when a value is sent; "steps": each gradient scaled by
+      # its own step's learning rate before the exchange (error feedback in parameter space)
+      "feedback_in": "gradients",
+      # the leaves of one dimension (BatchNorm's scales and biases, biases) sent whole every
+      # step beside the sparse exchange's pairs (an all-reduce of those values alone)
+      "whole_vectors": False,
   })
 
 
@@ -312,13 +324,7 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
          f"(optimizer.name = {c.optimizer.name!r}, optimizer.momentum = {c.optimizer.momentum!r})")
     need(c.compression.error_feedback, "compression.error_feedback",
          "True when compression.momentum_correction is True")
-  need(c.experimental.adam_first_moment in ("before", "after"),
-       "experimental.adam_first_moment", "'before' or 'after'")
-  need(c.experimental.balance in ("global", "tensor"), "experimental.balance",
-       "'global' or 'tensor'")
-  if c.experimental.balance == "tensor":
-    need(not c.compression.momentum_correction and c.compression.error_feedback,
-         "experimental.balance", "'global' with momentum correction or without error feedback")
+  _check_experimental(c, need)
   need(c.mesh.nodes == -1 or c.mesh.nodes >= 1, "mesh.nodes", ">= 1 or -1")
   need(c.mesh.local == -1 or c.mesh.local >= 1, "mesh.local", ">= 1 or -1")
   need(c.log_every_steps >= 1, "log_every_steps", ">= 1")
@@ -342,6 +348,28 @@ def _check_values(c: ml_collections.ConfigDict) -> None:
        "data.resize_schedule", "((0, size), (epoch, size), ...) with rising epochs")
   if c.data.path and not os.path.exists(c.data.path):
     raise ValueError(f"config key 'data.path': {c.data.path!r} does not exist")
+
+
+def _check_experimental(c: ml_collections.ConfigDict, need: Callable[..., None]) -> None:
+  """The `experimental` group's values, and what each needs of the rest."""
+  e = c.experimental
+  need(e.adam_first_moment in ("before", "after"), "experimental.adam_first_moment",
+       "'before' or 'after'")
+  need(e.lars_trust_ratio in ("worker", "mean"), "experimental.lars_trust_ratio",
+       "'worker' or 'mean'")
+  need(e.feedback_in in ("gradients", "steps"), "experimental.feedback_in",
+       "'gradients' or 'steps'")
+  if e.feedback_in == "steps":
+    need(c.compression.momentum_correction and c.optimizer.name in ("sgd", "lars"),
+         "experimental.feedback_in", "'gradients' unless compression.momentum_correction is "
+         "True with optimizer.name sgd or lars")
+  if e.whole_vectors:
+    need(c.compression.error_feedback, "compression.error_feedback",
+         "True when experimental.whole_vectors is True")
+  need(e.balance in ("global", "tensor"), "experimental.balance", "'global' or 'tensor'")
+  if e.balance == "tensor":
+    need(not c.compression.momentum_correction and c.compression.error_feedback,
+         "experimental.balance", "'global' with momentum correction or without error feedback")
 
 
 def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], None]) -> None:

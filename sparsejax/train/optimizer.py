@@ -39,9 +39,13 @@ from sparsejax.train.mesh import WORKERS
 __all__ = ["build_optimizer", "exchange_algorithm", "has_dense_form", "dense_steps",
            "dense_level_index", "MomentumCorrection",
            "momentum_correction", "compressor",
-           "fused_optimizer", "weight_decay_first", "lars_first", "train_chain", "density_level_fn",
+           "fused_optimizer", "weight_decay_first", "lars_first", "learning_rate_first",
+           "train_chain", "density_level_fn",
            "decay_mask", "NormState", "record_norm", "ChainState", "named_chain", "chain_parts",
-           "replace_parts"]
+           "replace_parts", "TRUST_RATIOS"]
+
+# lars_first's trust ratio: each worker's own, or the workers' mean's (sketched)
+TRUST_RATIOS = ("worker", "mean")
 
 
 def decay_mask(params: Any) -> Any:
@@ -148,11 +152,17 @@ def compressor(config: Any, density_schedule: Callable | None = None,
   """The exchange a validated config describes (its `compression` group, with `auto.sparse`
   under "auto" and the `experimental` options), with momentum or Adam correction if given."""
   c = config.compression
+  whole = None
+  if config.experimental.whole_vectors:
+    if layout is None:
+      raise ValueError("experimental.whole_vectors needs the flat layout (layout=)")
+    # the leaves of one dimension or none: BatchNorm's scales and biases, the biases
+    whole = layout.leaf_mask(lambda tree: jax.tree.map(lambda x: len(x.shape) <= 1, tree))
   return topk_allreduce(c.density, algorithm=exchange_algorithm(config), selector=c.selector,
                         correction=adam or correction, error_feedback=c.error_feedback,
                         density_schedule=density_schedule, balance=config.experimental.balance,
                         dense_level=has_dense_form(config),
-                        segments=None if layout is None else layout.segment_ids)
+                        segments=None if layout is None else layout.segment_ids, whole=whole)
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
@@ -199,19 +209,42 @@ def weight_decay_first(inner: optax.GradientTransformation, weight_decay: float,
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
+def learning_rate_first(inner: optax.GradientTransformation,
+                        learning_rate: optax.ScalarOrSchedule
+                        ) -> optax.GradientTransformationExtraArgs:
+  """`inner` (the compressor, whose state counts its updates: `ExchangeState.count`) fed the
+  updates times the learning rate of this step, so that its residual and velocity hold steps,
+  not gradients: a value sent late moves the parameters at the learning rate of the step it
+  came from (error feedback in parameter space, Karimireddy et al. 2019), not at the rate in
+  force when it is sent. Behind the exchange then: an SGD at rate 1. Its state is `inner`'s."""
+  rate = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    scale = jnp.asarray(rate(state.count), jnp.float32)
+    return inner.update(jax.tree.map(lambda u: u * scale.astype(u.dtype), updates), state,
+                        params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
 def lars_first(inner: optax.GradientTransformation, weight_decay: float,
-               trust_coefficient: float, layout: FlatLayout
+               trust_coefficient: float, layout: FlatLayout, trust_ratio: str = "worker"
                ) -> optax.GradientTransformationExtraArgs:
   """`inner` fed LARS's direction of this worker's gradient: on each kernel (`decay_mask`)
   `trust_coefficient * ||p|| / ||g + weight_decay * p|| * (g + weight_decay * p)`, the
   gradient elsewhere (optax.lars's decay and trust ratio, before its learning rate and momentum).
   With momentum correction in `inner` and an SGD without momentum behind it, that is LARS with
   each worker's momentum accumulated before the selection: a coordinate sent late moves as far
-  as LARS would have moved it. The trust ratio is each worker's own (from its gradient, as
-  the norm of the mean gradient is only known after a dense exchange): `optim.lars_direction`.
-  Its state is `inner`'s."""
+  as LARS would have moved it. `trust_ratio` (`experimental.lars_trust_ratio`): "worker", each
+  worker's own (from its gradient: its norm is larger than the mean gradient's, so its step is
+  shorter than LARS's); "mean", the norm of the workers' mean estimated from count sketches (a
+  small all-reduce, `sparsejax.sketch`), the same ratio on every worker:
+  `optim.lars_direction`. Its state is `inner`'s."""
+  if trust_ratio not in TRUST_RATIOS:
+    raise ValueError(f"trust_ratio={trust_ratio!r}: must be one of {TRUST_RATIOS}")
   direction = optim.lars_direction(layout, weight_decay, decay_mask, trust_coefficient,
-                                   trust_ratio_mask=decay_mask)
+                                   trust_ratio_mask=decay_mask,
+                                   axes=WORKERS if trust_ratio == "mean" else None)
 
   def update_fn(updates, state, params=None, **extra_args):
     return inner.update(direction(updates, params), state, params, **extra_args)
@@ -254,14 +287,18 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
                                                  total_steps=total_steps))
   # DGC: momentum and Nesterov in the compressor, the weight decay (LARS: and the trust ratio)
   # in front of it, and an SGD with neither behind it.
+  # With experimental.feedback_in="steps" the learning rate moves in front of it too.
   o = config.optimizer
-  front = (weight_decay_first(compressor(config, density, correction), o.weight_decay, layout)
-           if o.name == "sgd" else
-           lars_first(compressor(config, density, correction), o.weight_decay,
-                      o.trust_coefficient, layout))
+  exchange = compressor(config, density, correction, layout=layout)
+  behind_rate = learning_rate
+  if config.experimental.feedback_in == "steps":
+    exchange, behind_rate = learning_rate_first(exchange, learning_rate), 1.0
+  front = (weight_decay_first(exchange, o.weight_decay, layout) if o.name == "sgd" else
+           lars_first(exchange, o.weight_decay, o.trust_coefficient, layout,
+                      config.experimental.lars_trust_ratio))
   return train_chain(
       front,
-      optim.fused_sgd(learning_rate, momentum=None, nesterov=False, weight_decay=0.0,
+      optim.fused_sgd(behind_rate, momentum=None, nesterov=False, weight_decay=0.0,
                       weight_decay_mask=decay_mask, layout=layout))
 
 
@@ -276,14 +313,14 @@ def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.Scalar
   o = config.optimizer
   if config.experimental.adam_first_moment == "before":
     return train_chain(
-        compressor(config, density, adam=AdamCorrection(o.b1, o.b2, o.eps)),
+        compressor(config, density, adam=AdamCorrection(o.b1, o.b2, o.eps), layout=layout),
         optim.fused_sgd(learning_rate, momentum=None, nesterov=False,
                         weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
                         layout=layout))
   scaled = (lambda step: learning_rate(step) * (1 - o.b1)) if callable(learning_rate) else (
       learning_rate * (1 - o.b1))
   return train_chain(
-      compressor(config, density, adam=AdamCorrection(0.0, o.b2, o.eps)),
+      compressor(config, density, adam=AdamCorrection(0.0, o.b2, o.eps), layout=layout),
       optim.fused_sgd(scaled, momentum=o.b1, nesterov=False, weight_decay=o.weight_decay,
                       weight_decay_mask=decay_mask, layout=layout))
 
