@@ -321,6 +321,32 @@ def test_lars_first_is_optax_lars_decay_and_trust_ratio(rng):
   np.testing.assert_array_equal(np.asarray(zero), np.asarray(grads["zero"]["kernel"]))
 
 
+def _lars_moves(batch_of, common=(), **option):
+  """The parameters' moves over three steps (`batch_of(i) -> (images, labels)` for all 8
+  workers), with the dense trainer's LARS and with LARS's momentum correction at density 1
+  (nothing held back, no masking; `option`: its further config), `common` in both."""
+  changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
+             "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
+             "optimizer.warmup_epochs": 0.0, "optimizer.schedule": "constant",
+             "model.num_filters": 4, "compression.warmup_epochs": 0.0, **dict(common)}
+  mesh = make_mesh(2, 4)
+  moves = []
+  for more in ({"compression.algorithm": "dense"},
+               {"compression.algorithm": "hitopk", "compression.density": 1.0,
+                "compression.momentum_correction": True,
+                "experimental.momentum_masking": False, **option}):
+    config = validate(small_config(**changes, **more))
+    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    if more["compression.algorithm"] == "hitopk":
+      assert state.chain.optimizer.momentum is None  # the momentum is in the compressor
+    start = np.asarray(state.params, np.float64)
+    step = jit_train_step(setup, state)
+    for i in range(3):
+      state, _ = step(state, *shard_batch(mesh, *batch_of(i)))
+    moves.append(np.asarray(state.params, np.float64) - start)
+  return moves
+
+
 @pytest.mark.parametrize("nesterov,feedback_in", [(False, "gradients"), (True, "gradients"),
                                                   (False, "steps")])
 def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov, feedback_in):
@@ -330,32 +356,15 @@ def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nester
   gradient's), three steps move the parameters as the dense trainer's fused LARS does; with
   the learning rate in front of the exchange too (`experimental.feedback_in="steps"`; the rate
   is constant here, where the two forms agree)."""
-  changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
-             "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
-             "optimizer.nesterov": nesterov, "optimizer.warmup_epochs": 0.0,
-             "optimizer.schedule": "constant", "model.num_filters": 4,
-             "compression.warmup_epochs": 0.0}
-  mesh = make_mesh(2, 4)
   train, _ = data_lib.digits()
   images, labels = train.images[:13], train.labels[:13]
-  results = []
-  for more in ({"compression.algorithm": "dense"},
-               {"compression.algorithm": "hitopk", "compression.density": 1.0,
-                "compression.momentum_correction": True,
-                "experimental.momentum_masking": False,
-                "experimental.feedback_in": feedback_in}):
-    config = validate(small_config(**changes, **more))
-    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
-    if more["compression.algorithm"] == "hitopk":
-      assert state.chain.optimizer.momentum is None  # the momentum is in the compressor
-    start = np.asarray(state.params, np.float64)
-    step = jit_train_step(setup, state)
-    for i in range(3):
-      batch = np.roll(np.arange(13), i)  # the same 13 images on each of the 8 workers
-      state, _ = step(state, *shard_batch(mesh, np.tile(images[batch], (8, 1, 1, 1)),
-                                          np.tile(labels[batch], 8)))
-    results.append(np.asarray(state.params, np.float64) - start)
-  dense, corrected = results
+
+  def batch_of(i):  # the same 13 images on each of the 8 workers
+    batch = np.roll(np.arange(13), i)
+    return np.tile(images[batch], (8, 1, 1, 1)), np.tile(labels[batch], 8)
+
+  dense, corrected = _lars_moves(batch_of, {"optimizer.nesterov": nesterov}.items(),
+                                 **{"experimental.feedback_in": feedback_in})
   assert np.count_nonzero(dense) > dense.size // 2
   np.testing.assert_allclose(corrected, dense, rtol=1e-3, atol=1e-4 * np.abs(dense).max())
 
@@ -365,28 +374,14 @@ def test_lars_with_momentum_correction_takes_the_mean_gradient_s_trust_ratio(tru
   """Every worker a different batch (so each worker's gradient is noisier than the mean): with
   every coordinate sent, `experimental.lars_trust_ratio="mean"` (the norm of the workers' mean,
   sketched) moves the parameters as the dense trainer's LARS does, within the sketch's error;
-  each worker's own trust ratio ("worker") takes shorter steps than LARS."""
-  changes = {"optimizer.name": "lars", "optimizer.learning_rate": 2.0,
-             "optimizer.trust_coefficient": 0.01, "optimizer.weight_decay": 1e-3,
-             "optimizer.warmup_epochs": 0.0, "optimizer.schedule": "constant",
-             "model.num_filters": 4, "compression.warmup_epochs": 0.0}
-  mesh = make_mesh(2, 4)
+  each worker's own trust ratio ("worker") moves them elsewhere."""
   train, _ = data_lib.digits()
-  results = []
-  for more in ({"compression.algorithm": "dense"},
-               {"compression.algorithm": "hitopk", "compression.density": 1.0,
-                "compression.momentum_correction": True,
-                "experimental.momentum_masking": False,
-                "experimental.lars_trust_ratio": trust_ratio}):
-    config = validate(small_config(**changes, **more))
-    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
-    start = np.asarray(state.params, np.float64)
-    step = jit_train_step(setup, state)
-    for i in range(3):
-      batch = np.arange(i * 8 * 7, (i + 1) * 8 * 7)  # 7 images a worker, none shared
-      state, _ = step(state, *shard_batch(mesh, train.images[batch], train.labels[batch]))
-    results.append(np.asarray(state.params, np.float64) - start)
-  dense, corrected = results
+
+  def batch_of(i):  # 7 images a worker, none shared
+    batch = np.arange(i * 8 * 7, (i + 1) * 8 * 7)
+    return train.images[batch], train.labels[batch]
+
+  dense, corrected = _lars_moves(batch_of, **{"experimental.lars_trust_ratio": trust_ratio})
   error = np.linalg.norm(corrected - dense) / np.linalg.norm(dense)
   if trust_ratio == "mean":  # measured: 0.055 ("worker": 0.35)
     assert error < 0.12, error
