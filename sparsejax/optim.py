@@ -628,7 +628,7 @@ def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_
     if axes is not None:
       seed = lax.bitcast_convert_type(jnp.sum(param_norm), jnp.uint32)
       update_norm = sketch.mean_norms(plan.rows(d), plan.row_ids, layout.num_leaves + 1, axes,
-                                      buckets=buckets, seed=seed)
+                                      buckets=buckets, seed=seed, own_norms=update_norm)
     return d * _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
 
   return direction

@@ -42,7 +42,7 @@ def _mix(h: jax.Array) -> jax.Array:
 
 def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
                axes: str | Sequence[str], *, buckets: int = 256,
-               seed: jax.Array | int = 0) -> jax.Array:
+               seed: jax.Array | int = 0, own_norms: jax.Array | None = None) -> jax.Array:
   """float32[num_segments]: per segment, an estimate of the L2 norm of the mean over the
   workers of `axes` of `x` (float32[rows, width], row r in segment `row_segments[r]`), the same
   on every worker. Run inside `shard_map` / `pmap` over `axes`.
@@ -54,6 +54,8 @@ def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
     axes: the workers' mesh axes.
     buckets: a power of two >= 2, the sketch's bins a segment (its error: above).
     seed: uint32 scalar, the same on every worker (traced is fine).
+    own_norms: float32[num_segments], this worker's own norm of each segment of `x` where the
+      caller has it already (saves a pass over `x`).
   """
   if buckets < 2 or buckets & (buckets - 1):
     raise ValueError(f"buckets={buckets!r}: must be a power of two >= 2")
@@ -73,8 +75,8 @@ def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
           + (h & jnp.uint32(buckets - 1)).astype(jnp.int32))
   sketch = jnp.zeros(num_segments * buckets, jnp.float32).at[bins.reshape(-1)].add(
       (sign * x).reshape(-1)).reshape(num_segments, buckets)
-  own = jnp.zeros(num_segments, jnp.float32).at[jnp.asarray(row_segments)].add(
-      jnp.sum(x * x, axis=1))
+  own = (jnp.zeros(num_segments, jnp.float32).at[jnp.asarray(row_segments)].add(
+      jnp.sum(x * x, axis=1)) if own_norms is None else jnp.square(own_norms))
   sketch_own = jnp.sum(sketch * sketch, axis=1)
   names = (axes,) if isinstance(axes, str) else tuple(axes)
   total = lax.psum(jnp.concatenate([own, sketch_own, sketch.reshape(-1)]), names)

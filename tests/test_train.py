@@ -422,6 +422,9 @@ def test_whole_vectors_send_the_one_dimensional_leaves_whole():
 
 @pytest.mark.parametrize("changes,match", [
     ({"experimental.lars_trust_ratio": "global"}, "lars_trust_ratio.*'worker' or 'mean'"),
+    ({"experimental.lars_trust_ratio": "mean"}, "lars_trust_ratio.*optimizer.name lars"),
+    ({"experimental.whole_vectors": True, "compression.algorithm": "dense"},
+     "whole_vectors.*'dense': nothing is held back"),
     ({"experimental.feedback_in": "params"}, "feedback_in.*'gradients' or 'steps'"),
     ({"experimental.whole_vectors": True, "compression.error_feedback": False},
      "error_feedback.*True when experimental.whole_vectors"),

@@ -357,6 +357,10 @@ def _check_experimental(c: ml_collections.ConfigDict, need: Callable[..., None])
        "'before' or 'after'")
   need(e.lars_trust_ratio in ("worker", "mean"), "experimental.lars_trust_ratio",
        "'worker' or 'mean'")
+  if e.lars_trust_ratio == "mean":
+    need(c.compression.momentum_correction and c.optimizer.name == "lars",
+         "experimental.lars_trust_ratio", "'worker' unless compression.momentum_correction is "
+         "True with optimizer.name lars (the ratio is taken before the exchange only there)")
   need(e.feedback_in in ("gradients", "steps"), "experimental.feedback_in",
        "'gradients' or 'steps'")
   if e.feedback_in == "steps":
@@ -366,6 +370,9 @@ def _check_experimental(c: ml_collections.ConfigDict, need: Callable[..., None])
   if e.whole_vectors:
     need(c.compression.error_feedback, "compression.error_feedback",
          "True when experimental.whole_vectors is True")
+    need(c.compression.algorithm in comm.SPARSE_ALGORITHMS + ("auto",),
+         "experimental.whole_vectors", "False with a dense compression.algorithm "
+         f"({c.compression.algorithm!r}: nothing is held back)")
   need(e.balance in ("global", "tensor"), "experimental.balance", "'global' or 'tensor'")
   if e.balance == "tensor":
     need(not c.compression.momentum_correction and c.compression.error_feedback,
