@@ -192,11 +192,13 @@ def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
       x, node_axis=node_axis, local_axis=local_axis))
 
 
-def _balance_weights(part: jax.Array, feedback: Feedback, layout: FlatLayout, part_len: int,
-                     collective: comm.SparseCollective, segments: Any) -> jax.Array:
-  """`tensor_weights` of this worker's candidates: tensors are the leaves of the updates, or
-  `segments` (int ids of a flat buffer's elements); the hierarchical algorithms take shard i
-  of them (shard i of a node's buffer is worker i's)."""
+def _balance_weights(part: jax.Array, feedback: Feedback, correction: Correction | None,
+                     layout: FlatLayout, part_len: int, collective: comm.SparseCollective,
+                     segments: Any) -> jax.Array:
+  """`tensor_weights` of this worker's candidates (`feedback_dense`'s: with momentum correction
+  the velocity's term): tensors are the leaves of the updates, or `segments` (int ids of a flat
+  buffer's elements); the hierarchical algorithms take shard i of them (shard i of a node's
+  buffer is worker i's)."""
   ids = np.asarray(layout.segment_ids if segments is None else segments, np.int32)
   if ids.shape[0] > layout.padded_size:
     raise ValueError(f"segments has {ids.shape[0]} ids for a buffer of {layout.size} values")
@@ -205,7 +207,7 @@ def _balance_weights(part: jax.Array, feedback: Feedback, layout: FlatLayout, pa
   seg = jnp.asarray(ids)
   if collective.name in comm.HIERARCHICAL_ALGORITHMS:
     seg = lax.dynamic_slice(seg, (lax.axis_index(collective.axes[-1]) * part_len,), (part_len,))
-  return tensor_weights(part + feedback.residual, seg, count)
+  return tensor_weights(feedback_dense(part, feedback, correction=correction)[0], seg, count)
 
 
 def _unmasked(correction: Correction | None) -> Correction | None:
@@ -339,8 +341,8 @@ def _sparse(collective: comm.SparseCollective, select: Callable, levels: tuple[f
           "count": state.count,  # each hierarchical shard sums its node's `local` gradients
           "scale": local if collective.name in comm.HIERARCHICAL_ALGORITHMS else 1}
       if balanced and balance == "tensor" and feedback is not None:
-        extra["weights"] = _balance_weights(part, feedback, layout, part_len, collective,
-                                            segments)
+        extra["weights"] = _balance_weights(part, feedback, correction, layout, part_len,
+                                            collective, segments)
       return extra
 
     def at(level: float) -> Callable:
@@ -417,8 +419,8 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
     balance: "global" (one top-k over the whole buffer) or "tensor": the candidates of each
       tensor scaled by a power of two near 1 / their RMS before the one top-k, so each tensor
       gets about its share of the k (a global top-k starves tensors whose gradients are small,
-      such as a Transformer's position embeddings); what is sent is unscaled. Plain error
-      feedback only.
+      such as a Transformer's position embeddings); what is sent is unscaled. Error feedback,
+      plain or with a `MomentumCorrection`.
     segments: with balance="tensor" and updates that are already one flat buffer (sparsejax's
       trainer), the tensor id of each of its elements (`FlatLayout.segment_ids`); default: the
       leaves of the updates are the tensors.
@@ -455,9 +457,9 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
   _check_args(density, algorithm, error_feedback, correction)
   if balance not in ("global", "tensor"):
     raise ValueError(f"balance must be 'global' or 'tensor', got {balance!r}")
-  if balance == "tensor" and (correction is not None or not error_feedback):
-    raise ValueError(f"balance='tensor' works with plain error feedback (no correction, "
-                     f"error_feedback=True), got correction={correction!r}, "
+  if balance == "tensor" and (isinstance(correction, AdamCorrection) or not error_feedback):
+    raise ValueError(f"balance='tensor' works with error feedback, plain or with a "
+                     f"MomentumCorrection, got correction={correction!r}, "
                      f"error_feedback={error_feedback!r}")
   axes = _axes(algorithm, axis_name)
   select = topk_lib.get_selector(selector)

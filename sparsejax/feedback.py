@@ -174,11 +174,17 @@ def _momentum_term(x: jax.Array, feedback: Feedback, correction: MomentumCorrect
 
 
 def _momentum(x: jax.Array, feedback: Feedback, k: int, select: Selector,
-              correction: MomentumCorrection) -> tuple[jax.Array, jax.Array, Feedback]:
+              correction: MomentumCorrection, weights: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, Feedback]:
   velocity, term = _momentum_term(x, feedback, correction)
   # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
   # kernel (topk.select_feedback).
-  values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
+  if weights is None:
+    values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
+  else:
+    values, indices, residual = _weighted(term, feedback._replace(velocity=None), k, select,
+                                          weights)
+    residual = residual.residual
   if correction.masking:
     velocity = velocity.at[indices].set(0, unique_indices=True)
   return values, indices, Feedback(residual, velocity)
@@ -224,10 +230,10 @@ def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
   `MomentumCorrection` (`x + momentum * velocity + residual` with Nesterov), `scale *
   adam_direction(x / scale) + residual` with an `AdamCorrection` (the moments after `count`
   earlier steps; `scale`: how many workers' gradients `x` sums, so the Adam direction is taken
-  of their mean), or `x` alone without memory. With `weights` (plain error feedback only;
-  `tensor_weights`), the selection is of the k largest |weights * candidates|; the values and
-  the memory are the candidates' own. (`momentum=`, `nesterov=`, `masking=`, `adam=`: the
-  correction as earlier releases spelled it, deprecated.)
+  of their mean), or `x` alone without memory. With `weights` (plain error feedback or a
+  `MomentumCorrection`; `tensor_weights`), the selection is of the k largest |weights *
+  candidates|; the values and the memory are the candidates' own. (`momentum=`, `nesterov=`,
+  `masking=`, `adam=`: the correction as earlier releases spelled it, deprecated.)
 
   Returns:
     `(values, indices, Feedback)`: `values == candidates[indices]` (int32[k]); the new residual is
@@ -249,10 +255,13 @@ def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
   if feedback.velocity is not None and correction is None:
     raise ValueError("a Feedback with a velocity needs correction=MomentumCorrection(...) or "
                      "AdamCorrection(...)")
+  if weights is not None and isinstance(correction, AdamCorrection):
+    raise ValueError("weights (balance='tensor') work with plain error feedback or a "
+                     f"MomentumCorrection, not {correction!r}")
   if isinstance(correction, AdamCorrection):
     return _adam(x, feedback, k, select, correction, count, scale)
   if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
-    return _momentum(x, feedback, k, select, correction)
+    return _momentum(x, feedback, k, select, correction, weights)
   if weights is not None:
     return _weighted(x, feedback, k, select, weights)
   return _plain(x, feedback, k, select)

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sparsejax.compress import topk_allreduce
-from sparsejax.feedback import MomentumCorrection, tensor_weights
+from sparsejax.feedback import AdamCorrection, MomentumCorrection, tensor_weights
 from tests.conftest import make_mesh
 
 
@@ -70,8 +70,52 @@ def test_tensor_weights_are_powers_of_two_near_the_inverse_rms():
   assert np.all(w[ids == 2] == 1.0)  # an all-zero tensor is left as it is
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_with_momentum_correction_the_velocity_s_candidates_are_balanced(nesterov):
+  """Two steps of DGC's momentum correction (unmasked) with balance="tensor", against numpy:
+  the candidates are residual + velocity term, each tensor's scaled by the power of two near
+  1 / its RMS for the selection; sent plus kept is the candidates exactly."""
+  rng = np.random.default_rng(6)
+  sizes = (1031, 389)
+  steps = [{"big": (rng.standard_normal(sizes[0]) * 200).astype(np.float32),
+            "small": rng.standard_normal(sizes[1]).astype(np.float32)} for _ in range(2)]
+  m, k = 0.9, round(0.05 * sum(sizes))
+  tx = topk_allreduce(0.05, selector="exact", balance="tensor",
+                      correction=MomentumCorrection(m, nesterov=nesterov, masking=False))
+
+  def body(g1, g2):
+    state = tx.init(g1)
+    out1, state = tx.update(g1, state)
+    out2, state = tx.update(g2, state)
+    return out1, out2, state.feedback.residual
+  mesh = make_mesh(1, 1)
+  out1, out2, residual = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()),
+                                               out_specs=P(), check_vma=False))(*steps)
+  ids = np.repeat([0, 1], sizes)
+  u, r = np.zeros(sum(sizes), np.float32), np.zeros(sum(sizes), np.float32)
+  small = []
+  for g, out in zip(steps, (out1, out2)):
+    u = m * u + np.concatenate([g["big"], g["small"]])
+    acc = r + (np.concatenate([g["big"], g["small"]]) + m * u if nesterov else u)
+    rms = np.array([np.sqrt(np.mean(acc[ids == i] ** 2)) for i in (0, 1)])
+    w = np.exp2(-np.round(np.log2(rms)))[ids]
+    chosen = np.argsort(-np.abs(acc * w), kind="stable")[:k]
+    want = np.zeros_like(acc)
+    want[chosen] = acc[chosen]
+    got = np.concatenate([out["big"], out["small"]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    small.append(np.count_nonzero(got[sizes[0]:]))
+    r = acc - want
+  np.testing.assert_allclose(np.asarray(residual)[:sum(sizes)], r, rtol=1e-5, atol=1e-4)
+  # it gets a share (without balance none: its values are 200 times smaller); powers of two
+  # leave each tensor's RMS within sqrt(2) of 1, so a step's share can still be 0
+  assert sum(small) > 0.3 * k
+
+
 def test_balance_refuses_what_it_does_not_support():
   with pytest.raises(ValueError, match="balance must be 'global' or 'tensor', got 'layer'"):
     topk_allreduce(0.01, balance="layer")
-  with pytest.raises(ValueError, match="plain error feedback"):
-    topk_allreduce(0.01, balance="tensor", correction=MomentumCorrection(0.9))
+  with pytest.raises(ValueError, match="error feedback, plain or with a MomentumCorrection"):
+    topk_allreduce(0.01, balance="tensor", correction=AdamCorrection(0.9, 0.99, 1e-8))
+  with pytest.raises(ValueError, match="error feedback, plain or with a MomentumCorrection"):
+    topk_allreduce(0.01, balance="tensor", error_feedback=False)

@@ -431,6 +431,10 @@ def test_whole_vectors_send_the_one_dimensional_leaves_whole():
     ({"experimental.feedback_in": "steps"}, "feedback_in.*unless compression.momentum_corr"),
     ({"experimental.feedback_in": "steps", "compression.momentum_correction": True,
       "optimizer.name": "adamw"}, "feedback_in.*optimizer.name sgd or lars"),
+    ({"experimental.balance": "tensor", "compression.momentum_correction": True,
+      "optimizer.name": "adamw"}, "balance.*with adamw's momentum correction"),
+    ({"experimental.balance": "tensor", "compression.error_feedback": False},
+     "balance.*'global' without error feedback"),
 ])
 def test_the_correction_s_options_name_what_is_allowed(changes, match):
   with pytest.raises(ValueError, match=match):

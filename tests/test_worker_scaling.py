@@ -358,6 +358,49 @@ def test_a_shadow_exchange_reports_its_memory_against_numpy(rng, name):
   assert (len(masked) > 0) == (name == "gtopk-mcm")
 
 
+@pytest.mark.parametrize("name", ["allgather-mc", "gtopk-mc"])
+def test_a_shadow_exchange_s_delay_is_the_age_of_what_it_sends_against_numpy(rng, name):
+  """Three steps on three workers (n = 1013, k = 17, Nesterov): the delay of each step from
+  the exchange's own residuals, against numpy's bookkeeping of the steps each position's
+  candidate terms came at since the worker last sent there."""
+  import jax.numpy as jnp
+  from conftest import make_mesh, run_workers
+  workers, n, k, m = 3, 1013, 17, 0.9
+  mesh = make_mesh(workers, 1)
+
+  def body(g, r, u, mass, moment, step):
+    new_r, new_u, _ = residuals.shadow_step(name, g, r, u, k=k, axes=("node", "local"),
+                                            momentum=m, nesterov=True)
+    (mass, moment), delay = residuals.delay_step(g, r, u, new_r, (mass, moment), step[0],
+                                                 axes=("node", "local"), momentum=m,
+                                                 nesterov=True)
+    return new_r, new_u, mass, moment, jnp.broadcast_to(delay, (1,))
+
+  zeros = np.zeros((workers, n), np.float32)
+  r, u, mass, moment = zeros, zeros, zeros, zeros
+  ref_mass, ref_moment = np.zeros((workers, n)), np.zeros((workers, n))
+  delays = []
+  for t in range(3):
+    g = rng.standard_normal((workers, n)).astype(np.float32) * (1 + rng.random(n) * 9)
+    new_r, new_u, mass, moment, delay = run_workers(
+        mesh, body, g, r, u, mass, moment, np.full((workers, 1), t, np.float32))
+    velocity = m * u + g
+    term = np.abs(g + m * velocity).astype(np.float64)
+    acc = r + g + m * velocity
+    sent = (acc != 0) & (new_r == 0)
+    ref_mass += term
+    ref_moment += term * t
+    age = t - ref_moment / np.where(ref_mass > 0, ref_mass, 1)
+    weight = np.where(sent, np.abs(acc), 0)
+    want = float((weight * age).sum() / weight.sum())
+    np.testing.assert_allclose(np.asarray(delay)[:, 0], want, rtol=1e-4, atol=1e-4)
+    ref_mass[sent], ref_moment[sent] = 0, 0
+    np.testing.assert_allclose(mass, ref_mass, rtol=1e-5, atol=1e-5)
+    delays.append(want)
+    r, u = new_r, new_u
+  assert delays[0] == 0 and delays[2] > 0  # what has waited is sent later
+
+
 def test_a_bad_shadow_system_is_named():
   with pytest.raises(ValueError, match="'gtopk-x'"):
     residuals.shadow_step("gtopk-x", None, None, None, k=1, axes="node", momentum=0.9,

@@ -189,7 +189,8 @@ def _experimental_defaults() -> ml_collections.ConfigDict:
       # Adam directions.
       "adam_first_moment": "after",
       # "global": one top-k over the whole gradient; "tensor": each tensor's candidates scaled
-      # to an RMS near 1 first, so each gets about its share (plain error feedback only)
+      # to an RMS near 1 first, so each gets about its share (error feedback, plain or with
+      # sgd's or lars's momentum correction)
       "balance": "global",
       # with lars and momentum_correction: the trust ratio each worker scales its gradient by
       # before the exchange. "worker": from its own gradient's norm (larger than the mean's, so
@@ -375,8 +376,10 @@ def _check_experimental(c: ml_collections.ConfigDict, need: Callable[..., None])
          f"({c.compression.algorithm!r}: nothing is held back)")
   need(e.balance in ("global", "tensor"), "experimental.balance", "'global' or 'tensor'")
   if e.balance == "tensor":
-    need(not c.compression.momentum_correction and c.compression.error_feedback,
-         "experimental.balance", "'global' with momentum correction or without error feedback")
+    need(c.compression.error_feedback and not (c.compression.momentum_correction
+                                               and c.optimizer.name == "adamw"),
+         "experimental.balance", "'global' without error feedback or with adamw's momentum "
+         "correction (Adam directions)")
 
 
 def _check_auto(c: ml_collections.ConfigDict, need: Callable[[bool, str, str], None]) -> None:

@@ -13,7 +13,8 @@ at `--density` from the first step (no density warm-up): a shadow of each exchan
 trajectory, so that only the exchange differs.
 
   allgather-mc   each worker's k largest candidates, unmasked velocity (run.py's allgather-mc)
-  gtopk-mc       gTop-k at k, unmasked; gtopk-mcm masked; gtopk-mc-P at k x P/2, unmasked
+  gtopk-mc       gTop-k at k, unmasked; gtopk-mcm masked; gtopk-mc-logP at k x max(1,
+                 log2(P)/2) and gtopk-mc-P at k x P/2, unmasked (`--systems`: some of them)
 
 Reported per P, system and window of `--every` steps (means over the window's steps):
   held      sum_i ||r_i||^2 over ||sum_i g_i||^2: the memory against one step's global gradient
@@ -24,6 +25,11 @@ Reported per P, system and window of `--every` steps (means over the window's st
             the share of the accumulated direction one exchange sends
   moved     ||total||^2 over ||sum_i g_i||^2: the size of what one exchange applies against
             one step's global gradient (a sum that carries each worker's noise is larger)
+  delay     how old what one exchange applies is, in steps: at each position a worker sends,
+            the mean step of what its memory gathered there since it last sent (each step's
+            candidate term weighted by its magnitude) subtracted from this step, averaged
+            over what the workers send weighted by its magnitude; 0 for a value sent the step
+            it came
 One process per worker count, each with that many CPU devices (no network, nothing timed).
 """
 
@@ -42,6 +48,7 @@ if ROOT not in sys.path:  # run as `python studies/worker_scaling/residuals.py`:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -56,8 +63,8 @@ from sparsejax.bench import (  # noqa: E402
   write_results,
 )
 
-SYSTEMS = ("allgather-mc", "gtopk-mc", "gtopk-mcm", "gtopk-mc-P")
-METRICS = ("held", "aligned", "sent", "moved")
+SYSTEMS = ("allgather-mc", "gtopk-mc", "gtopk-mcm", "gtopk-mc-logP", "gtopk-mc-P")
+METRICS = ("held", "aligned", "sent", "moved", "delay")
 
 
 def window_means(series: list[dict[str, float]], every: int) -> list[dict[str, Any]]:
@@ -67,8 +74,29 @@ def window_means(series: list[dict[str, float]], every: int) -> list[dict[str, A
   for start in range(0, len(series), every):
     chunk = series[start:start + every]
     rows.append({"step": start + len(chunk),
-                 **{m: float(np.mean([s[m] for s in chunk])) for m in METRICS}})
+                 **{m: float(np.mean([s[m] for s in chunk])) for m in chunk[0]}})
   return rows
+
+
+def delay_step(g, r, u, new_r, age, step, *, axes, momentum: float, nesterov: bool):
+  """`delay` (module docstring) of one exchange inside `shard_map`, from this worker's gradient
+  `g`, its memory before the exchange (residual `r`, velocity `u`, unmasked), its residual
+  after it and `age = (mass, moment)`: per position, the summed magnitude of the candidate
+  terms gathered since it last sent and those magnitudes times their steps. Returns `(new
+  age, delay)`, the delay the same on every worker."""
+  import jax
+  import jax.numpy as jnp
+  velocity = momentum * u + g
+  term = g + momentum * velocity if nesterov else velocity
+  acc = r + term
+  sent = (acc != 0) & (new_r == 0)
+  mass, moment = age
+  mass = mass + jnp.abs(term)
+  moment = moment + jnp.abs(term) * step
+  old = step - moment / jnp.where(mass > 0, mass, 1.0)
+  weight = jnp.where(sent, jnp.abs(acc), 0.0)
+  delay = jax.lax.psum(jnp.vdot(weight, old), axes) / jax.lax.psum(jnp.sum(weight), axes)
+  return (jnp.where(sent, 0.0, mass), jnp.where(sent, 0.0, moment)), delay
 
 
 def shadow_step(name: str, g, r, u, *, k: int, axes, momentum: float, nesterov: bool):
@@ -101,7 +129,7 @@ def shadow_step(name: str, g, r, u, *, k: int, axes, momentum: float, nesterov: 
 
 
 def measure(config_path: str, sets: list[str], workers: int, density: float, steps: int,
-            every: int) -> list[dict[str, Any]]:
+            every: int, systems: tuple[str, ...] = SYSTEMS) -> list[dict[str, Any]]:
   """In this process (`workers` CPU devices): `steps` steps of the task's dense recipe, each
   exchange's shadow beside them."""
   import jax
@@ -122,26 +150,33 @@ def measure(config_path: str, sets: list[str], workers: int, density: float, ste
   k = max(1, round(density * setup.layout.size))
   momentum, nesterov = float(config.optimizer.momentum), bool(config.optimizer.nesterov)
   ks = {"allgather-mc": k, "gtopk-mc": k, "gtopk-mcm": k,
+        "gtopk-mc-logP": min(setup.layout.size, round(k * max(1.0, math.log2(workers) / 2))),
         "gtopk-mc-P": min(setup.layout.size, k * workers // 2)}
 
   def per_worker(params, stats, inputs, labels, step, memory):
     g, _, _ = step_lib.gradient(setup, step, params, stats, inputs, labels)
     new, out = {}, {}
-    for name in SYSTEMS:
-      r, u = memory[name]
-      r, u, out[name] = shadow_step(name, g, r[0], u[0], k=ks[name], axes=WORKERS,
-                                    momentum=momentum, nesterov=nesterov)
-      new[name] = (r[None], u[None])
+    for name in systems:
+      r, u, mass, moment = (m[0] for m in memory[name])
+      new_r, new_u, metrics = shadow_step(name, g, r, u, k=ks[name], axes=WORKERS,
+                                          momentum=momentum, nesterov=nesterov)
+      age = (mass, moment)
+      if name != "gtopk-mcm":  # (masked: the candidate terms are not the unmasked velocity's)
+        age, delay = delay_step(g, r, u, new_r, age, step.astype(jnp.float32), axes=WORKERS,
+                                momentum=momentum, nesterov=nesterov)
+        metrics = jnp.concatenate([metrics, delay[None]])
+      out[name] = metrics
+      new[name] = tuple(m[None] for m in (new_r, new_u, *age))
     return new, out
 
   spec = P(WORKERS)
-  mem_spec = {name: (spec, spec) for name in SYSTEMS}
+  mem_spec = {name: (spec,) * 4 for name in systems}
   fn = jax.jit(jax.shard_map(
       per_worker, mesh=mesh, in_specs=(P(), P(WORKERS), spec, spec, P(), mem_spec),
-      out_specs=(mem_spec, {name: P() for name in SYSTEMS}), check_vma=False))
+      out_specs=(mem_spec, {name: P() for name in systems}), check_vma=False))
   zeros = jnp.zeros((workers, n), jnp.float32)
-  memory = {name: (zeros, zeros) for name in SYSTEMS}
-  series: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}
+  memory = {name: (zeros,) * 4 for name in systems}
+  series: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
   for done in range(steps):
     inputs, labels = run.batch(done)
     memory, out = fn(run.state.params, run.state.batch_stats, inputs, labels,
@@ -150,11 +185,12 @@ def measure(config_path: str, sets: list[str], workers: int, density: float, ste
       series[name].append(dict(zip(METRICS, (float(v) for v in values))))
     run.step(done, wait=True)
   return [{"workers": workers, "system": name, "k": ks[name], **row}
-          for name in SYSTEMS for row in window_means(series[name], every)]
+          for name in systems for row in window_means(series[name], every)]
 
 
 def table(results: dict[str, Any]) -> str:
   meta = results["meta"]
+  shown = [s for s in SYSTEMS if any(r["system"] == s for r in results["rows"])]
   lines = [
       f"What error feedback holds back at P workers on `{meta['config']}` (density "
       f"{meta['density']:g}; each exchange's shadow along the dense recipe's trajectory, the "
@@ -164,15 +200,23 @@ def table(results: dict[str, Any]) -> str:
       "(P sum_i ||r_i||^2), 1 where the residuals agree, 1/P where they are each worker's own "
       "noise; sent: the share <total, S> / ||S||^2 of the summed candidates S one exchange "
       "sends; moved: what one exchange applies, ||total||^2 / ||sum_i g_i||^2.", "",
-      "| P | steps | " + " | ".join(f"{s}: held | aligned | sent | moved" for s in SYSTEMS) + " |",
-      "|---:|---:|" + "---:|---:|---:|---:|" * len(SYSTEMS)]
+      "| P | steps | " + " | ".join(f"{s}: held | aligned | sent | moved" for s in shown) + " |",
+      "|---:|---:|" + "---:|---:|---:|---:|" * len(shown)]
   keys = sorted({(r["workers"], r["step"]) for r in results["rows"]})
   for p, step in keys:
     by = {r["system"]: r for r in results["rows"] if r["workers"] == p and r["step"] == step}
     cells = " | ".join(f"{by[s]['held']:.3g} | {by[s]['aligned']:.3f} | {by[s]['sent']:.3f} | "
                        f"{by[s]['moved']:.3g}"
-                       for s in SYSTEMS)
+                       for s in shown)
     lines.append(f"| {p} | {step} | {cells} |")
+  timed = [s for s in shown if any("delay" in r for r in results["rows"] if r["system"] == s)]
+  if timed:
+    lines += ["", "delay: the mean age in steps of what one exchange applies (module docstring)",
+              "", "| P | steps | " + " | ".join(timed) + " |", "|---:|---:|" + "---:|" * len(timed)]
+    for p, step in keys:
+      by = {r["system"]: r for r in results["rows"] if r["workers"] == p and r["step"] == step}
+      lines.append(f"| {p} | {step} | " + " | ".join(f"{by[s]['delay']:.2f}" for s in timed)
+                   + " |")
   return "\n".join(lines) + "\n\n" + footer(meta)
 
 
@@ -184,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--density", type=float, default=0.01)
   ap.add_argument("--steps", type=int, default=144)
   ap.add_argument("--every", type=int, default=12, help="steps a row averages")
+  ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of "
+                  + ", ".join(SYSTEMS))
   ap.add_argument("--out", type=json_path, required=True)
   ap.add_argument("--from-results", metavar="JSON", help="no runs: the table again")
   args = ap.parse_args(argv)
@@ -197,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
       workers = [int(p) for p in args.workers.split(",") if p]
     except ValueError as e:
       ap.error(f"--workers takes comma-separated integers: {e}")
+    systems = tuple(x for x in args.systems.split(",") if x)
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown or not systems:
+      ap.error(f"--systems: {unknown or 'none'} not among {', '.join(SYSTEMS)}")
     if (any(p < 2 for p in workers) or args.steps < 1 or args.every < 1
         or not 0 < args.density < 1):
       ap.error(f"--workers >= 2 (got {workers}), --steps and --every >= 1 (got {args.steps}, "
@@ -204,14 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for p in workers:
       if workers == [MAX_WORKERS]:
-        rows += measure(args.config, args.sets, p, args.density, args.steps, args.every)
+        rows += measure(args.config, args.sets, p, args.density, args.steps, args.every,
+                        systems)
       else:
         rows += _in_child(args, p)
     from studies.time_to_accuracy.systems import load_task, model_size
     results = {"meta": {
         "command": command_line(__file__, list(sys.argv[1:] if argv is None else argv)),
         "config": portable_path(args.config), "sets": args.sets, "density": args.density,
-        "workers": workers, "steps": args.steps, "every": args.every,
+        "workers": workers, "systems": list(systems), "steps": args.steps,
+        "every": args.every,
         "parameters": model_size(load_task(args.config, args.sets)),
         "machine": platform.machine(), "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d")}, "rows": rows}
@@ -226,7 +278,8 @@ def _in_child(args, workers: int) -> list[dict[str, Any]]:
   from studies.worker_scaling.child import in_child
   return in_child(__file__, ["--config", args.config, *(f"--set={s}" for s in args.sets),
                              "--workers", str(workers), "--density", str(args.density),
-                             "--steps", str(args.steps), "--every", str(args.every)],
+                             "--steps", str(args.steps), "--every", str(args.every),
+                             "--systems", args.systems],
                   workers, "rows")
 
 
