@@ -78,7 +78,8 @@ def test_every_time_to_accuracy_system_builds_a_valid_config(system, monkeypatch
   a renamed key would fail with the one-line error naming the new one)."""
   monkeypatch.chdir(ROOT)
   errors = []
-  for task in ("configs/tta_fmnist_mlp.py", "configs/tta_kjv_lm.py"):
+  for task in ("configs/tta_fmnist_mlp.py", "configs/tta_kjv_lm.py",
+               "configs/tta_fmnist_resnet.py"):
     try:
       systems.load_task(task, [], system)
       return
