@@ -159,11 +159,18 @@ def _plain(x: jax.Array, feedback: Feedback, k: int, select: Selector
   return values, indices, Feedback(residual)
 
 
+def _select_weighted(select: Selector, x: jax.Array, residual: jax.Array, k: int,
+                     weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`topk.select_feedback` of `weights * (x + residual)`, the values and the memory unweighted
+  (the weights are powers of two: exact)."""
+  values, indices, kept = topk_lib.select_feedback(select, x * weights, residual * weights, k)
+  return values / weights[indices], indices, kept / weights
+
+
 def _weighted(x: jax.Array, feedback: Feedback, k: int, select: Selector, weights: jax.Array
               ) -> tuple[jax.Array, jax.Array, Feedback]:
-  values, indices, residual = topk_lib.select_feedback(select, x * weights,
-                                                       feedback.residual * weights, k)
-  return values / weights[indices], indices, Feedback(residual / weights)
+  values, indices, residual = _select_weighted(select, x, feedback.residual, k, weights)
+  return values, indices, Feedback(residual)
 
 
 def _momentum_term(x: jax.Array, feedback: Feedback, correction: MomentumCorrection
@@ -182,9 +189,7 @@ def _momentum(x: jax.Array, feedback: Feedback, k: int, select: Selector,
   if weights is None:
     values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
   else:
-    values, indices, residual = _weighted(term, feedback._replace(velocity=None), k, select,
-                                          weights)
-    residual = residual.residual
+    values, indices, residual = _select_weighted(select, term, feedback.residual, k, weights)
   if correction.masking:
     velocity = velocity.at[indices].set(0, unique_indices=True)
   return values, indices, Feedback(residual, velocity)
