@@ -17,11 +17,13 @@ HiTopKComm at density 0.001 after a DGC warm-up from 0.25 over 2/28 of the run.
 Target: test accuracy 0.84, what dense reaches at about 60% of its recipe (on one run, step 288
 of 468: 0.857; step 264: 0.827).
 Expected (dense, seed 0): about 0.88 at the end; `sparsejax train` takes about 5 minutes on 2
-CPU cores. The study's best sparse system (docs/time-to-accuracy-cnn.md) is HiTopKComm 0.01
-with LARS's momentum correction: `--set compression.density=0.01 --set
-compression.momentum_correction=True --set experimental.momentum_masking=False` (seed 0: 0.84
-at step 288, 0.870 at the end); as configured here (0.001, plain error feedback) it does not
-reach the target.
+CPU cores. The study's best sparse system (docs/time-to-accuracy-cnn.md, its
+hitopk-0.04-mc-mean-w3) is HiTopKComm 0.04 with LARS's momentum correction, the workers' mean
+trust ratio and the density warm-up 3x as long: `--set compression.density=0.04 --set
+compression.momentum_correction=True --set experimental.momentum_masking=False --set
+experimental.lars_trust_ratio=mean --set compression.warmup_epochs=0.428571` (seed 0: 0.84 at
+step 288, 0.878 at the end, as dense); as configured here (0.001, plain error feedback) it does
+not reach the target.
 """
 
 from sparsejax.train.config import default_config
