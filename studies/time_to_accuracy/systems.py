@@ -14,6 +14,9 @@ import numpy as np
 # what sparsejax.cluster.EmulatedCluster builds
 MIN_NODES, MAX_NODES = 2, 200
 KJV_STEPS_PER_EPOCH = 457  # the Transformer task's (configs/tta_kjv_lm.py): steps named below
+_CNN_BEST = {"compression.algorithm": "hitopk", "compression.density": 0.04,
+             "compression.momentum_correction": True, "experimental.momentum_masking": False,
+             "experimental.lars_trust_ratio": "mean", "compression.warmup_epochs": 2 * 6 / 28}
 # system -> (runtime, config overrides / options). Each sparse system keeps the config's DGC
 # density warm-up and error feedback.
 SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -46,21 +49,11 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # the CNN task's (LARS) closest to dense at the end: density 0.04, every worker LARS's
     # trust ratio of the workers' mean (experimental.lars_trust_ratio) and the density
     # warm-up 3x the recipe's (6/28 of the run: 0.43 of its 2 epochs)
-    "hitopk-0.04-mc-mean-w3": ("jax", {"compression.algorithm": "hitopk",
-                                       "compression.density": 0.04,
-                                       "compression.momentum_correction": True,
-                                       "experimental.momentum_masking": False,
-                                       "experimental.lars_trust_ratio": "mean",
-                                       "compression.warmup_epochs": 2 * 6 / 28}),
+    "hitopk-0.04-mc-mean-w3": ("jax", _CNN_BEST),
     # ... at half its bytes: density 0.02, the same warm-up's length from 0.08 (a level of
     # 0.02's: the recipe's 0.25 rounds up to 0.32, and 0.04's to 0.64, which sends more pairs'
     # bytes than a dense exchange at 2 nodes)
-    "hitopk-0.02-mc-mean-w3": ("jax", {"compression.algorithm": "hitopk",
-                                       "compression.density": 0.02,
-                                       "compression.momentum_correction": True,
-                                       "experimental.momentum_masking": False,
-                                       "experimental.lars_trust_ratio": "mean",
-                                       "compression.warmup_epochs": 2 * 6 / 28,
+    "hitopk-0.02-mc-mean-w3": ("jax", {**_CNN_BEST, "compression.density": 0.02,
                                        "compression.warmup_density": 0.08}),
     # HiTopKComm with gTop-k between the nodes (benchmarks/scale.py): k global positions
     # a step, the sums of what the nodes selected there, instead of every node's k pairs
