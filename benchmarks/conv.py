@@ -1,6 +1,6 @@
 """Convolutions on one core, XLA:CPU against PyTorch: the CNN task's layers and its whole step.
 
-  python benchmarks/conv.py [--batch 128] [--procs 3] [--calls 10]
+  python -m benchmarks.conv [--batch 128] [--procs 3] [--calls 10]
       [--out benchmarks/results/bench_conv.json]
 
 The CNN task (configs/tta_fmnist_resnet.py: ResNet-20 on Fashion-MNIST, 128 images a worker)
@@ -30,12 +30,10 @@ import subprocess
 import sys
 import time
 
+from sparsejax.bench import command_line, footer, json_path, python_module, write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if not __package__:  # run as `python benchmarks/conv.py`: import from this checkout
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import command_line, footer, json_path, write_results  # noqa: E402
 
 ONE_CORE = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # (size, channels in, channels out, stride) of ResNet-20's 3x3 convolutions at 28 px
@@ -180,9 +178,8 @@ def worker(args) -> dict[str, float]:
 def _spawn(args, runtime: str, part: str, flags: str = "") -> list[dict[str, float]]:
   runs = []
   for _ in range(args.procs):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{ONE_CORE} {flags}".strip(),
-           "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", runtime, part,
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{ONE_CORE} {flags}".strip()}
+    out = subprocess.run([*python_module(__file__), "--worker", runtime, part,
                           "--batch", str(args.batch), "--calls", str(args.calls)],
                          capture_output=True, text=True, timeout=900, env=env)
     if out.returncode:

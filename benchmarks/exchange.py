@@ -1,9 +1,9 @@
 """One gradient exchange on an emulated cloud cluster: sparsejax's algorithms vs PyTorch's.
 
-  python benchmarks/exchange.py [--quick] [--rates 1gbit,200mbit] [--reps 5]
+  python -m benchmarks.exchange [--quick] [--rates 1gbit,200mbit] [--reps 5]
                                    [--sizes resnet50,transformer_base] [--no-torch]
                                    [--out benchmarks/results/bench_comm.json]     (needs root)
-  python benchmarks/exchange.py --local [--sizes ...] [--reps 5]
+  python -m benchmarks.exchange --local [--sizes ...] [--reps 5]
                                    [--out benchmarks/results/bench_comm_local.json]
 
 The cluster: 2 nodes x 2 processes x 1 CPU device (`sparsejax.cluster.EmulatedCluster`: a network
@@ -47,11 +47,9 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python benchmarks/exchange.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sparsejax.bench import command_line, json_path, launch_workers, python_module, write_results
 
-from sparsejax.bench import command_line, json_path, launch_workers, write_results  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
          "tiny": 40_009}  # tiny: for the code path's test
@@ -330,7 +328,7 @@ def run_local(args) -> list[dict]:
     try:
       env = {**os.environ, "JAX_PLATFORMS": "cpu",
              "XLA_FLAGS": f"--xla_force_host_platform_device_count={NODES * PROCS}"}
-      subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", "local", "--reps",
+      subprocess.run([*python_module(__file__), "--mode", "local", "--reps",
                       str(args.reps), "--sizes", args.sizes, "--worker-out", path,
                       *(["--parts"] if args.parts else [])], env=env, check=True)
       with open(path) as f:

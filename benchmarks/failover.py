@@ -1,10 +1,10 @@
 """How fast a lost node is noticed: during a multi-process job on an emulated cluster, one node's
 process is killed (or hung), and the time until every other process has ended is measured.
 
-  python benchmarks/failover.py [--nodes 4] [--runs 3] [--job collectives|train]
+  python -m benchmarks.failover [--nodes 4] [--runs 3] [--job collectives|train]
       [--victims last,0] [--signal SIGKILL] [--modes launcher,self] [--heartbeat 3]
       [--rate 1gbit] [--lock FILE] [--out benchmarks/results/bench_failover.json]  (needs root)
-  python benchmarks/failover.py --quick          (a smoke run: 3 nodes, 1 run)
+  python -m benchmarks.failover --quick          (a smoke run: 3 nodes, 1 run)
 
 The job is `sparsejax launch` (`cluster.launch`) on an `EmulatedCluster`, one process per node:
 `collectives` (this script as the worker: an all-reduce over every process every 10 ms) or
@@ -37,22 +37,21 @@ import time
 import uuid
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if not __package__:  # run as `python benchmarks/failover.py`: import from this checkout
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import (  # noqa: E402  # noqa: E402
+from sparsejax.bench import (
   RUN_TOKEN,
   TimedLog,
   command_line,
   footer,
   json_path,
   launched_pids,
+  python_module,
   running,
   spread,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 MODES = {"launcher": 2.0, "self": 60.0}  # the launcher's grace between SIGTERM and SIGKILL
 QUICK = {"nodes": 3, "runs": 1}
@@ -85,7 +84,7 @@ def run_worker(seconds: float) -> None:
 def _job(kind: str, nodes: int, workdir: str) -> tuple[list[str], list[str] | None]:
   """(argv, program) of `cluster.launch` for the job `kind`."""
   if kind == "collectives":
-    return ["--mode", "worker", "--seconds", "300"], [sys.executable, os.path.abspath(__file__)]
+    return ["--mode", "worker", "--seconds", "300"], python_module(__file__)
   return (["train", os.path.join(ROOT, "configs", "quickstart.py"), "--workdir", workdir,
            "--no-progress", "--set", f"mesh.nodes={nodes}", "--set", "mesh.local=1",
            "--set", f"mesh.num_devices={nodes}", "--set", "batch_size=96",

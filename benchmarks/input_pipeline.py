@@ -1,8 +1,8 @@
 """Input pipeline throughput: the tiered cache in front of a remote source, and pre-decoded images.
 
-  python benchmarks/input_pipeline.py [--quick] [--images 256] [--runs 3] [--threads 8]
+  python -m benchmarks.input_pipeline [--quick] [--images 256] [--runs 3] [--threads 8]
                                     [--out benchmarks/results/bench_input.json]
-  python benchmarks/input_pipeline.py --open [--records 1000,100000] [--runs 5] [--repeats 20]
+  python -m benchmarks.input_pipeline --open [--records 1000,100000] [--runs 5] [--repeats 20]
                                     [--out benchmarks/results/bench_input_open.json]
 
 Records: ImageNet-like JPEGs (500x375, quality 95: about 110 KB each) behind a `RemoteSource` that
@@ -45,10 +45,7 @@ from typing import Any
 import grain
 import numpy as np
 
-if not __package__:  # run as `python benchmarks/input_pipeline.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sparsejax.bench import command_line, json_path, write_results  # noqa: E402
+from sparsejax.bench import command_line, json_path, python_module, write_results
 from sparsejax.data import RemoteSource, TieredCache
 from sparsejax.data import images as image_ops
 from sparsejax.data.imagenet import synthetic_jpeg
@@ -237,7 +234,7 @@ def bench_open(args) -> tuple[dict[str, Any], str]:
     runs = []
     for run in range(args.runs):
       order = dict(reversed(dirs.items())) if run % 2 else dirs  # neither always goes first
-      cmd = [sys.executable, os.path.abspath(__file__), "--open-probe", json.dumps(order),
+      cmd = [*python_module(__file__), "--open-probe", json.dumps(order),
              "--repeats", str(args.repeats)]
       runs.append(json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                             text=True).stdout.splitlines()[-1]))

@@ -1,6 +1,6 @@
 """One gTop-k merge on one core: the local work between two rounds of `comm.gtopk_positions`.
 
-  python benchmarks/merge.py [--k 25557] [--procs 3] [--calls 20]
+  python -m benchmarks.merge [--k 25557] [--procs 3] [--calls 20]
       [--out benchmarks/results/bench_merge.json]
 
 A merge takes two sets of k (value, index) pairs (distinct indices in each, a realistic overlap:
@@ -23,11 +23,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python benchmarks/merge.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(HERE))
+from sparsejax.bench import command_line, json_path, python_module, write_results
 
-from sparsejax.bench import command_line, json_path, write_results  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def time_merges(k: int, calls: int) -> float:
@@ -70,7 +68,7 @@ def main(argv=None) -> int:
     return 0
   runs = []
   for _ in range(args.procs):
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--k",
+    out = subprocess.run([*python_module(__file__), "--worker", "--k",
                           str(args.k), "--calls", str(args.calls)], capture_output=True,
                          text=True, check=True, timeout=600,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -1,6 +1,6 @@
 """Fused optimizer updates vs optax on real parameter trees, with the memory-traffic floor.
 
-  python benchmarks/optim.py [--quick] [--runs 7] [--trees resnet50,transformer_base]
+  python -m benchmarks.optim [--quick] [--runs 7] [--trees resnet50,transformer_base]
                                     [--out benchmarks/results/bench_optim.json]
 
 For the ResNet-50 tree (161 leaves, 25,557,032 values) and the Transformer-base tree (257 leaves,
@@ -41,12 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-if not __package__:  # run as `python benchmarks/optim.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import param_trees  # noqa: E402
-from sparsejax import cpu_kernels, hlo, optim  # noqa: E402
-from sparsejax.bench import command_line, json_path, write_results  # noqa: E402
+from benchmarks import param_trees
+from sparsejax import cpu_kernels, hlo, optim
+from sparsejax.bench import command_line, json_path, write_results
 
 LR, WD = 0.1, 1e-4
 

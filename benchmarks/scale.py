@@ -1,10 +1,10 @@
 """The sparse exchange against the node count: TopK all-gather, gTop-k and dense all-reduce on an
 emulated cluster of 2-16 nodes whose links, not the cores, bound the exchange.
 
-  python benchmarks/scale.py [--nodes 2,3,4,5,6,8,12,16] [--rate 5mbit] [--runs 3]
+  python -m benchmarks.scale [--nodes 2,3,4,5,6,8,12,16] [--rate 5mbit] [--runs 3]
       [--reps 5] [--size resnet50] [--density 0.001] [--dense-fraction 128] [--compute-ms 37.7]
       [--lock FILE] [--out benchmarks/results/bench_scale.json]                (needs root)
-  python benchmarks/scale.py --quick      (CI smoke: 2 and 3 nodes, a small buffer)
+  python -m benchmarks.scale --quick      (CI smoke: 2 and 3 nodes, a small buffer)
 
 Each node is one process on its own network namespace (`EmulatedCluster`: tc tbf on both ends
 of its link), one CPU device, pinned to core rank % cores. This machine has 2 cores for up to
@@ -53,20 +53,18 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-if not __package__:  # run as `python benchmarks/scale.py`: import from this checkout
-  sys.path.insert(0, ROOT)
-
-from benchmarks.exchange import SIZES  # noqa: E402
-from sparsejax.bench import (  # noqa: E402
+from benchmarks.exchange import SIZES
+from sparsejax.bench import (
   command_line,
   footer,
   json_path,
-  launch_workers,  # noqa: E402
+  launch_workers,
   spread,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 ALGORITHMS = ("allgather", "gtopk", "dense")
 PHASES = ("select", "exchange", "apply", "full")

@@ -1,6 +1,6 @@
 """Training throughput of one real train step (images/s, synthetic data), sparsejax vs plain optax.
 
-  python benchmarks/step.py [--quick] [--model resnet50] [--batch 256] [--size 224]
+  python -m benchmarks.step [--quick] [--model resnet50] [--batch 256] [--size 224]
                                    [--dtype bfloat16] [--steps 20]
                                    [--out benchmarks/results/bench_step.json]
 
@@ -32,13 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-if not __package__:  # run as `python benchmarks/step.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from sparsejax import models
-from sparsejax.bench import command_line, json_path, write_results  # noqa: E402
+from sparsejax.bench import command_line, json_path, write_results
 from sparsejax.train import config as config_lib
 from sparsejax.train import make_mesh
+from sparsejax.train.plan import make_plan
 from sparsejax.train.state import from_config, shard_batch
 from sparsejax.train.step import jit_train_step
 
@@ -138,8 +136,8 @@ def run_variant(args, variant: str, images: np.ndarray, labels: np.ndarray, num_
         "hitopk", float(variant.split("-")[1]))
     config = config_for(args, algorithm, density)
     mesh = make_mesh(1, 1, jax.devices()[:1])
-    setup, state = from_config(config, mesh, num_classes, (args.size, args.size, 3),
-                               steps_per_epoch=1000, total_steps=100_000)
+    setup, state = from_config(config, make_plan(config, steps_per_epoch=1000), mesh,
+                               num_classes, (args.size, args.size, 3))
     step = jit_train_step(setup, state)
     batch = shard_batch(mesh, images, labels)
   compile_s = time.perf_counter() - t0

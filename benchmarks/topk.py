@@ -1,6 +1,6 @@
 """Top-k selection speed and recall on this machine: MSTopK vs lax.top_k and one pass.
 
-  python benchmarks/topk.py [--quick] [--procs 3] [--runs 5] [--sizes 1000000,25557032]
+  python -m benchmarks.topk [--quick] [--procs 3] [--runs 5] [--sizes 1000000,25557032]
                                    [--densities 0.01,0.001] [--inputs gaussian,heavy_tailed,...]
                                    [--methods mstopk,search,radix,exact_topk] [--compaction]
                                    [--out benchmarks/results/bench_topk.json]
@@ -35,11 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-if not __package__:  # run as `python benchmarks/topk.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from sparsejax import topk
-from sparsejax.bench import command_line, json_path, write_results  # noqa: E402
+from sparsejax.bench import command_line, json_path, python_module, write_results
 
 SIZES = (25_557_032, 110_000_000)
 DENSITIES = (0.01, 0.001)
@@ -271,7 +268,7 @@ def main(argv=None) -> int:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
       path = f.name
     try:
-      subprocess.run([sys.executable, os.path.abspath(__file__), *worker_argv,
+      subprocess.run([*python_module(__file__), *worker_argv,
                       "--sizes", ",".join(map(str, args.sizes)), "--runs", str(args.runs),
                       "--seed", str(args.seed + p), "--worker-out", path], check=True)
       with open(path) as f:

@@ -1,7 +1,7 @@
 """End-to-end training throughput on an emulated cloud cluster: sparsejax dense vs HiTopKComm,
 and PyTorch DDP (the peer a user would pick instead) training the same model.
 
-  sudo python benchmarks/train.py [--rate 1gbit] [--width 64] [--batch-per-worker 32]
+  sudo python -m benchmarks.train [--rate 1gbit] [--width 64] [--batch-per-worker 32]
                                          [--steps 30] [--powersgd] [--quick]
                                          [--no-torch | --no-sparsejax]
                                          [--out benchmarks/results/bench_train.json]
@@ -13,7 +13,8 @@ on scikit-learn's digits, `--batch-per-worker` images per worker per step, SGD w
 momentum. Each system runs its real training step on real batches:
 
   sparsejax     one process per node with 2 CPU devices (`sparsejax launch` layout), the trainer
-                of `sparsejax train` (`from_config`: shard_map step, flat gradient, fused SGD),
+                of `sparsejax train` (`sparsejax.train.Run`: shard_map step, flat gradient,
+                fused SGD),
                 compression "dense" (one all-reduce) or "hitopk" at density 0.001 (MSTopK, error
                 feedback; no density warm-up), the batch for each step fetched and sharded by
                 the same `Inputs` the loop uses;
@@ -41,16 +42,14 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python benchmarks/train.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sparsejax.bench import (  # noqa: E402
+from sparsejax.bench import (
   command_line,
   json_path,
-  launch_workers,  # noqa: E402
+  launch_workers,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 NODES, WORKERS_PER_NODE = 2, 2
 DENSITY = 0.001
@@ -88,28 +87,18 @@ def jax_worker(args) -> None:
   cluster.initialize()
   import jax
 
-  from sparsejax import data as data_lib
-  from sparsejax.train import config as config_lib
-  from sparsejax.train.mesh import make_mesh
-  from sparsejax.train.state import from_config, shard_batch
-  from sparsejax.train.step import jit_train_step
+  from sparsejax.train import Run
 
-  config = config_lib.validate(bench_config(args.algorithm, args.width, args.batch_per_worker))
-  mesh = make_mesh(config.mesh.nodes, config.mesh.local)
-  data = data_lib.open_inputs(config)
-  total = args.warmup + args.steps
-  setup, state = from_config(config, mesh, data.num_classes, data.example(None),
-                             steps_per_epoch=data.steps_per_epoch, total_steps=total)
-  train_step = jit_train_step(setup, state)
-  params = setup.layout.size
+  run = Run(bench_config(args.algorithm, args.width, args.batch_per_worker))
+  config, total = run.config, args.warmup + args.steps
+  params = run.setup.layout.size
   measure_link = int(os.environ["SPARSEJAX_LOCAL_RANK"]) == 0
   times, sent, losses = [], 0, []
   for step in range(total):
     if step == args.warmup:
       before = cluster.qdisc_sent_bytes() if measure_link else 0
     t0 = time.perf_counter()
-    images, labels = data.train_batch(step, None)
-    state, metrics = train_step(state, *shard_batch(mesh, images, labels))
+    metrics, = run.step(step)  # (its batch read and sharded on the clock)
     losses.append(float(jax.device_get(metrics["loss"])))  # waits for the step
     if step >= args.warmup:
       times.append(time.perf_counter() - t0)

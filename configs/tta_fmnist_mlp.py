@@ -1,6 +1,6 @@
 """Time to accuracy: an MLP on Fashion-MNIST, 2 nodes x 1 worker (the time_to_accuracy study).
 
-  python studies/time_to_accuracy/run.py --config configs/tta_fmnist_mlp.py
+  python -m studies.time_to_accuracy.run --config configs/tta_fmnist_mlp.py
   sparsejax train configs/tta_fmnist_mlp.py --workdir runs/tta     # one run, 2 CPU devices
 
 Model: MLP 784-1024-1024-10 (1,863,690 parameters, a 7.5 MB float32 gradient); matmul-bound, so

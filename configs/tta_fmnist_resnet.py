@@ -1,7 +1,7 @@
 """Time to accuracy, the CNN task: ResNet-20 on Fashion-MNIST with the DAWNBench recipe's
 structure, 2 nodes x 1 worker (the time_to_accuracy study).
 
-  python studies/time_to_accuracy/run.py --config configs/tta_fmnist_resnet.py
+  python -m studies.time_to_accuracy.run --config configs/tta_fmnist_resnet.py
   sparsejax train configs/tta_fmnist_resnet.py --workdir runs/resnet   # one run, 2 CPU devices
 
 Model: the CIFAR ResNet-20 (He et al. 2016: a 3x3 stem, three stages of three basic blocks at

@@ -1,7 +1,7 @@
 """Time to accuracy: a decoder-only Transformer language model on the KJV text, 2 nodes x 1 worker
 (the time_to_accuracy study's Transformer task).
 
-  python studies/time_to_accuracy/run.py --config configs/tta_kjv_lm.py
+  python -m studies.time_to_accuracy.run --config configs/tta_kjv_lm.py
   sparsejax train configs/tta_kjv_lm.py --workdir runs/tta_lm     # one run, 2 CPU devices
 
 Model: pre-LN, d_model 128, 4 heads, d_ff 512, 2 layers, learned positions, the output

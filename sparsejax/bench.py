@@ -154,16 +154,17 @@ def launched_pids(token: str, world: int, var: str = RUN_TOKEN) -> dict[int, int
 def launch_workers(c: Any, script: str, argv: list[str], *, mode: str, procs_per_node: int,
                    devices_per_proc: int, log: Any, what: str, torch: bool = False
                    ) -> list[dict]:
-  """Runs `script --mode MODE ... --worker-out F` as `c.nodes` x `procs_per_node` processes on
-  the emulated cluster `c` (torch workers, mode "torch" or `torch=True`, talk gloo over the
-  node's link, eth0); returns the rows the rank-0 worker wrote to F."""
+  """Runs `python -m <script's module> --mode MODE ... --worker-out F` (from the checkout's
+  root) as `c.nodes` x `procs_per_node` processes on the emulated cluster `c` (torch workers,
+  mode "torch" or `torch=True`, talk gloo over the node's link, eth0); returns the rows the
+  rank-0 worker wrote to F."""
   from sparsejax import cluster
   with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
     path = f.name
   try:
     rc = cluster.launch(["--mode", mode, *argv, "--worker-out", path], nodes=c.nodes,
                         procs_per_node=procs_per_node, devices_per_proc=devices_per_proc,
-                        cluster=c, program=[sys.executable, os.path.abspath(script)],
+                        cluster=c, program=python_module(script),
                         init_timeout_s=120, out=log,
                         extra_env=({"GLOO_SOCKET_IFNAME": "eth0"} if torch or mode == "torch"
                                    else None))
@@ -211,11 +212,32 @@ def _portable_arg(arg: str, option: str | None) -> str:
   return f"${name}"
 
 
+def module_name(script: str) -> str:
+  """The module a study's or benchmark's file runs as (`python -m`) from the folder above its
+  packages (`.../studies/auto/end_to_end.py` -> `studies.auto.end_to_end`); a module name as
+  it is."""
+  if not script.endswith(".py"):
+    return script
+  folder, name = os.path.split(os.path.abspath(script))
+  parts = [os.path.splitext(name)[0]]
+  while os.path.isfile(os.path.join(folder, "__init__.py")):
+    folder, package = os.path.split(folder)
+    parts.insert(0, package)
+  return ".".join(parts)
+
+
+def python_module(script: str) -> list[str]:
+  """`[python, "-m", module]`: the command that runs a study's or benchmark's file (or
+  module) again, in a child process started from the same folder."""
+  return [sys.executable, "-m", module_name(script)]
+
+
 def command_line(script: str, argv: Sequence[str]) -> str:
-  """`python <script> <argv>` as a user reruns it from the checkout's root: paths inside the
-  checkout relative to it, any other absolute path a placeholder named after its option
-  (an --out outside the checkout is written `--out $OUT`)."""
-  words, option = ["python", portable_path(script)], None
+  """`python -m <module> <argv>` as a user reruns it from the checkout's root (`script`: the
+  module, or its file): paths inside the checkout relative to it, any other absolute path a
+  placeholder named after its option (an --out outside the checkout is written `--out
+  $OUT`)."""
+  words, option = ["python", "-m", module_name(script)], None
   for arg in argv:
     words.append(_portable_arg(arg, option))
     option = arg if arg.startswith("--") and "=" not in arg else None

@@ -125,6 +125,7 @@ def test_the_trainer_builds_either_form_from_the_config():
   the worker's RMS) and a momentum b1 after the exchange."""
   from sparsejax.flat import FlatLayout
   from sparsejax.train.optimizer import build_optimizer, chain_parts
+  from sparsejax.train.plan import make_plan
   cfg = config_lib.default_config()
   cfg.optimizer.name = "adamw"
   cfg.compression.momentum_correction = True
@@ -132,7 +133,8 @@ def test_the_trainer_builds_either_form_from_the_config():
   mesh = make_mesh(2, 1)
   for where in ("before", "after"):
     cfg.experimental.adam_first_moment = where
-    tx = build_optimizer(config_lib.validate(cfg), layout, steps_per_epoch=10, total_steps=20)
+    config = config_lib.validate(cfg)
+    tx = build_optimizer(config, make_plan(config, 10), layout)
 
     def init(p, tx=tx):
       return tx.init(p)

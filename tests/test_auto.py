@@ -17,8 +17,9 @@ import pytest
 from conftest import override
 
 from sparsejax import cluster
-from sparsejax.train import auto, train_and_evaluate
+from sparsejax.train import auto, make_plan, train_and_evaluate
 from sparsejax.train import config as config_lib
+from sparsejax.train.plan import at
 from tests.conftest import need_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,8 +152,6 @@ def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
   assert auto.choose(step_s, 1.22, "dense", 0.05) == "dense"  # 0.976: not 5% better
   assert auto.choose(step_s, 1.22, "sparse", 0.05) == "sparse"
   assert auto.choose(step_s, 1.1, "dense", 0.05) == "sparse"  # 0.88: 12% better
-  assert auto.scheduled(SCHEDULE, 0) == "sparse" and auto.scheduled(SCHEDULE, 7) == "dense"
-  assert auto.scheduled(SCHEDULE, 11) == "dense" and auto.scheduled(SCHEDULE, 40) == "sparse"
 
 
 def test_the_lag_weighs_less_the_longer_the_run_left():
@@ -210,7 +209,7 @@ def test_a_scheduled_run_switches_forms_where_told(scheduled_run):
   assert [int(r["step"]) for r in rows] == list(range(1, 23))
   for r in rows:
     step = int(r["step"]) - 1  # the row of step s + 1 is step s's update
-    form = auto.scheduled(SCHEDULE, step)
+    form = at(SCHEDULE, step)
     assert (float(r["density"]) == 1.0) == (form == "dense"), r
   dense_bytes = {float(r["bytes_sent"]) for r in rows if float(r["density"]) == 1.0}
   sparse_bytes = [float(r["bytes_sent"]) for r in rows
@@ -238,16 +237,18 @@ def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_
   assert again["exchange_choices"] == summary["exchange_choices"]
 
 
-def test_measuring_is_read_from_the_algorithm_and_the_schedule():
+def test_measuring_is_read_from_the_plan_s_forms():
   c = auto_config()
-  assert auto.measuring(c)
+  assert auto.measuring(make_plan(c, STEPS_PER_EPOCH))
   c.auto.schedule = EPOCHS
-  assert not auto.measuring(c)
-  assert auto.step_schedule(c, STEPS_PER_EPOCH) == SCHEDULE
+  plan = make_plan(c, STEPS_PER_EPOCH)
+  assert not auto.measuring(plan) and plan.forms == SCHEDULE
+  assert [plan.form(s) for s in (0, 7, 11, 40)] == ["sparse", "dense", "dense", "sparse"]
   c.auto.schedule = ((0, "dense"), (7 / STEPS_PER_EPOCH, "measured"))
-  assert auto.measuring(c) and auto.scheduled(auto.step_schedule(c, 11), 9) == "measured"
+  plan = make_plan(c, 11)
+  assert auto.measuring(plan) and plan.form(9) == "measured"
   c.compression.algorithm = "hitopk"
-  assert not auto.measuring(c)
+  assert not auto.measuring(make_plan(c, 11))
 
 
 def test_the_dense_start_goes_in_front_of_the_schedule():
@@ -255,13 +256,13 @@ def test_the_dense_start_goes_in_front_of_the_schedule():
   its end move to it, the last of them in force there)."""
   c = auto_config()
   c.compression.dense_epochs = 0.5  # 44 steps an epoch below: 22
-  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "measured"))
+  assert make_plan(c, 44).forms == ((0, "dense"), (22, "measured"))
   c.auto.schedule = ((0.0, "sparse"), (0.25, "measured"), (0.75, "dense"))
-  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "measured"), (33, "dense"))
+  assert make_plan(c, 44).forms == ((0, "dense"), (22, "measured"), (33, "dense"))
   c.compression.algorithm = "hitopk"  # a fixed algorithm: dense, then sparse
-  assert auto.step_schedule(c, 44) == ((0, "dense"), (22, "sparse"))
+  assert make_plan(c, 44).forms == ((0, "dense"), (22, "sparse"))
   c.compression.dense_epochs = 0.0
-  assert auto.step_schedule(c, 44) == ((0, "sparse"),)
+  assert make_plan(c, 44).forms == ((0, "sparse"),)
 
 
 def test_probe_interval_stretches_the_cadence_to_the_budget():

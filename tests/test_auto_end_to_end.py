@@ -96,7 +96,7 @@ def test_from_results_rejudges_against_a_moved_reference(tmp_path, capsys):
   stored = tmp_path / "e2e_in.json"
   stored.write_text(json.dumps({"runs": runs, "meta": {
       "system": "auto-0.05", "seeds": 3, "machine": "x", "cpus": 2, "date": "d",
-      "command": "python studies/auto/end_to_end.py"}}))
+      "command": "python -m studies.auto.end_to_end"}}))
   out = tmp_path / "e2e.json"
   assert e2e.main(["--config", "c", "--system", "auto-0.05", "--reference", str(ref),
                    "--bandwidths", "unlimited,100mbit", "--out", str(out),

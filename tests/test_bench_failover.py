@@ -26,7 +26,7 @@ def test_one_trial_end_to_end(tmp_path):
   assert any("lost node 1 (rank 1, killed by SIGKILL)" in line for line in trial["launcher_lines"])
   md = out.with_suffix(".md").read_text()
   assert "| last node (rank 1) | SIGKILL | launcher |" in md
-  assert "Command: `python benchmarks/failover.py --nodes 2" in md
+  assert "Command: `python -m benchmarks.failover --nodes 2" in md
   [built] = [line for line in trial["launcher_lines"] if " emulated cluster " in line]
   prefix = re.search(r"emulated cluster (\w+): ", built).group(1)
   assert cluster.EmulatedCluster.leftovers(prefix + "-") == []
@@ -34,7 +34,7 @@ def test_one_trial_end_to_end(tmp_path):
 
 def test_the_table_gives_min_median_max_over_runs():
   meta = {"nodes": 4, "runs": 3, "job": "collectives", "rate": "1gbit", "heartbeat_timeout_s": 3,
-          "command": "python benchmarks/failover.py", "machine": "x86_64", "cpus": 2,
+          "command": "python -m benchmarks.failover", "machine": "x86_64", "cpus": 2,
           "date": "2026-01-01"}
   trials = [{"victim_label": "coordinator", "victim": 0, "signal": "SIGKILL", "mode": "self",
              "noticed_s": 0.01 * i, "ended_s": e, "named_right": True,

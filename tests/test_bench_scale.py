@@ -48,7 +48,7 @@ def test_quick_run_measures_every_algorithm_on_2_and_3_nodes(quick):
   rec = got["runs"][1]["records"][0]
   assert np.asarray(rec["per_node"]).shape == (3, got["meta"]["reps"])
   md = out.with_suffix(".md").read_text()
-  assert "| 3 | gtopk |" in md and "Command: `python benchmarks/scale.py --quick" in md
+  assert "| 3 | gtopk |" in md and "Command: `python -m benchmarks.scale --quick" in md
 
 
 def test_the_model_fits_and_projects_from_a_quick_run(quick, tmp_path):

@@ -51,7 +51,7 @@ def test_an_auto_result_is_judged_again_to_its_table(name, tmp_path, monkeypatch
   with open(name) as f:
     meta = json.load(f)["meta"]
   words = shlex.split(meta["command"])
-  argv = words[2:]
+  argv = words[3:] if words[1] == "-m" else words[2:]  # (python -m module | python file.py)
   out = str(tmp_path / os.path.basename(name))
   argv[argv.index("--out") + 1] = out
   if "reference" in meta:  # (a reference outside the checkout recorded as $REFERENCE)

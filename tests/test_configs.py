@@ -10,7 +10,7 @@ import pytest
 from conftest import make_mesh
 
 from sparsejax.train import config as config_lib
-from sparsejax.train import schedules
+from sparsejax.train import make_plan
 from sparsejax.train.state import build_model, from_config, shard_batch
 from sparsejax.train.step import jit_train_step
 
@@ -52,22 +52,19 @@ def test_config_validates_and_documents_itself(path):
 
 def _smoke(name, num_filters, scale):
   config = config_lib.validate(config_lib.load_config(os.path.join(ROOT, "configs", name)))
-  stages = schedules.resize_stages(config.data.resize_schedule, config.num_epochs)
-  assert stages, "a recipe with images needs a resize schedule"
   config.model.num_filters = num_filters
-  mesh = make_mesh(2, 4)
-  steps_per_epoch = 2
-  total = int(config.num_epochs * steps_per_epoch)
   config.seed = 0
-  setup, state = from_config(config, mesh, 1000, (stages[0][2] // scale, stages[0][2] // scale, 3),
-                             steps_per_epoch=steps_per_epoch, total_steps=total)
+  plan = make_plan(config, steps_per_epoch=2)
+  assert len(plan.stages) > 1, "a recipe with images needs a resize schedule"
+  mesh = make_mesh(2, 4)
+  first = plan.stages[0][1] // scale
+  setup, state = from_config(config, plan, mesh, 1000, (first, first, 3))
   rng = np.random.default_rng(0)
   step_fn = jit_train_step(setup, state)
   seen = []
-  for start, _, size in stages:
+  for start, size in plan.stages:
     size = size // scale
-    state = state._replace(step=jax.device_put(np.int32(start * steps_per_epoch),
-                                               state.step.sharding))
+    state = state._replace(step=jax.device_put(np.int32(start), state.step.sharding))
     for _ in range(2):  # the second step of a stage reuses its compiled program
       images = rng.standard_normal((16, size, size, 3)).astype(np.float32)
       labels = rng.integers(0, 1000, 16).astype(np.int32)
@@ -98,11 +95,12 @@ def test_recipe_full_width_resnet50_every_stage(name):
 
 
 def test_image_size_schedule():
-  schedule = ((0, 128), (13, 224), (25, 288))
-  assert [schedules.image_size(schedule, e) for e in (0, 12.9, 13, 24.99, 25, 27.5)] == [
+  config = config_lib.validate(config_lib.apply_overrides(config_lib.default_config(), [
+      "data.resize_schedule=((0, 128), (13, 224), (25, 288))", "num_epochs=28.0"]))
+  plan = make_plan(config, steps_per_epoch=10)
+  assert [plan.image_size(s) for s in (0, 129, 130, 249, 250, 275)] == [
       128, 128, 224, 224, 288, 288]
-  assert schedules.resize_stages(schedule, 28) == [(0, 13, 128), (13, 25, 224), (25, 28, 288)]
-  assert schedules.image_size((), 3) is None
+  assert plan.stages == ((0, 128), (130, 224), (250, 288))
   bad = config_lib.apply_overrides(config_lib.default_config(),
                                    ["data.resize_schedule=((5, 128), (1, 224))"])
   with pytest.raises(ValueError, match="resize_schedule"):

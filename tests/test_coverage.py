@@ -22,10 +22,10 @@ def _run(tmp_path, name, *extra):
   """The script in its own process (it makes the mesh's CPU devices; this one has 8)."""
   out = tmp_path / f"{name}.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  run = subprocess.run([sys.executable, os.path.join(ROOT, "studies", "coverage", "run.py"),
+  run = subprocess.run([sys.executable, "-m", "studies.coverage.run",
                         "--config", os.path.join(ROOT, "configs", "tta_fmnist_mlp.py"), *SETS,
                         *extra, "--steps", "12", "--window", "5", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, env=env)
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-3000:]
   return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
@@ -39,7 +39,7 @@ def test_everything_is_covered_when_everything_is_sent(tmp_path):
     assert t["window_coverage"] == [1.0, 1.0]  # 12 steps: two whole windows of 5
     assert t["sent_per_step"] == t["size"]
   assert "| hidden_0/kernel | 16,384 | 1.000 / 1.000 / 1.000 |" in md
-  assert "Command: `python studies/coverage/run.py --config configs/tta_fmnist_mlp.py" in md
+  assert "Command: `python -m studies.coverage.run --config configs/tta_fmnist_mlp.py" in md
 
 
 def test_a_sparse_run_sends_at_least_k_and_leaves_some_coordinates_out(tmp_path):

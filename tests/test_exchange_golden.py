@@ -21,10 +21,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
-from sparsejax.compress import density_levels, topk_allreduce
+from sparsejax.compress import topk_allreduce
 from sparsejax.feedback import AdamCorrection, MomentumCorrection
 from sparsejax.flat import FlatLayout
 from sparsejax.train import config as config_lib
+from sparsejax.train import make_plan
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "exchange.npz")
 RECORD = os.environ.get("SPARSEJAX_RECORD_GOLDEN") == "1"
@@ -181,11 +182,10 @@ def test_chain_is_bit_for_bit_the_recorded_one(name):
   rng = np.random.default_rng(100 + sorted(CHAINS).index(name))
   params = _tree(rng)
   layout = optim.flat_layout(params, pad_to=LOCAL)
-  tx = optimizer_lib.build_optimizer(config, layout, steps_per_epoch=SPE, total_steps=TOTAL)
-  c = config.compression
-  count = len(density_levels(c.density)) if c.warmup_epochs and c.warmup_density > c.density \
-      else 1
-  top = count if optimizer_lib.has_dense_form(config) else count - 1
+  plan = make_plan(config, SPE)
+  assert plan.total_steps == TOTAL
+  tx = optimizer_lib.build_optimizer(config, plan, layout)
+  top = len(plan.levels) if plan.dense_form else len(plan.levels) - 1
   levels = [top, max(top - 1, 0), 0, 0]
   flat = np.asarray(layout.ravel(params, jnp.float32))
   seq = [np.stack([np.asarray(layout.ravel(jax.tree.map(lambda a, i=i: a[i], g), jnp.float32))

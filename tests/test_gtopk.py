@@ -225,6 +225,7 @@ def test_the_trainer_steps_with_gtopk(algorithm):
   from sparsejax import data as data_lib
   from sparsejax.train import config as config_lib
   from sparsejax.train import validate
+  from sparsejax.train.plan import make_plan
   from sparsejax.train.state import from_config, shard_batch
   from sparsejax.train.step import jit_train_step
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +235,7 @@ def test_the_trainer_steps_with_gtopk(algorithm):
                                       "compression.momentum_correction": True,
                                       "model.num_filters": 4}))
   mesh = make_mesh(2, 4)
-  setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+  setup, state = from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
   part = state.comm_state.feedback.residual.shape[1]
   assert part == (setup.layout.padded_size // 4 if algorithm == "higtopk"
                   else setup.layout.padded_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 
@@ -166,10 +167,67 @@ print("ok")
   assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-@pytest.mark.parametrize("script", [("studies", "scaling_model", "run.py"),
-                                    ("benchmarks", "merge.py")])
-def test_a_study_or_benchmark_runs_as_a_script_from_anywhere(tmp_path, script):
-  """`python studies/<study>/run.py` and `python benchmarks/<x>.py` work from any folder (tests
-  import the same files as `studies.<study>.run` and `benchmarks.<x>`)."""
-  res = _run([os.path.join(ROOT, *script), "--help"], str(tmp_path))
-  assert res.returncode == 0 and f"usage: {script[-1]}" in res.stdout, res.stderr
+def _entry_points() -> list[str]:
+  """Every study's and benchmark's module that runs as a program (`python -m ...`)."""
+  found = []
+  for top in ("studies", "benchmarks"):
+    for folder, _, names in os.walk(os.path.join(ROOT, top)):
+      for name in sorted(names):
+        path = os.path.join(folder, name)
+        if name.endswith(".py") and 'if __name__ == "__main__":' in open(path).read():
+          found.append(os.path.relpath(path, ROOT)[:-3].replace(os.sep, "."))
+  return sorted(found)
+
+
+def test_every_study_and_benchmark_runs_from_a_fresh_clone_elsewhere(tmp_path):
+  """A clone of the committed files in another folder: from its root, every study and
+  benchmark starts as `python -m <module>` (its --help) with no path set up for it, and
+  imports the clone's sparsejax, not this checkout's."""
+  modules = _entry_points()
+  assert len(modules) >= 20, modules
+  clone = tmp_path / "elsewhere" / "clone"
+  clone.mkdir(parents=True)
+  files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, capture_output=True,
+                         check=True).stdout.decode().split("\0")
+  for name in filter(None, files):
+    if os.path.exists(os.path.join(ROOT, name)) and "/results/" not in name:
+      (clone / name).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(os.path.join(ROOT, name), clone / name)
+  code = f"""
+import contextlib, io, runpy, sys
+bad = []
+for module in {modules!r}:
+  sys.argv = [module, "--help"]
+  out = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(out):
+      runpy.run_module(module, run_name="__main__", alter_sys=True)
+  except SystemExit as e:
+    if e.code not in (0, None):
+      bad.append((module, "exit", e.code))
+  except Exception as e:  # noqa: BLE001
+    bad.append((module, type(e).__name__, str(e)[:200]))
+  if "usage:" not in out.getvalue():
+    bad.append((module, "no usage", out.getvalue()[:200]))
+import sparsejax
+assert sparsejax.__file__.startswith({str(clone)!r}), sparsejax.__file__
+assert not bad, bad
+print("ok", len({modules!r}))
+"""
+  res = _run(["-c", code], str(clone))
+  assert res.returncode == 0 and res.stdout.strip() == f"ok {len(modules)}", res.stderr[-3000:]
+
+
+def test_no_study_or_benchmark_edits_the_import_path():
+  """Studies and benchmarks run as modules from the checkout's root; none edits `sys.path`
+  (or sets PYTHONPATH for a child) to find the checkout."""
+  bad = []
+  for top in ("studies", "benchmarks", "sparsejax"):
+    for folder, _, names in os.walk(os.path.join(ROOT, top)):
+      for name in names:
+        if name.endswith(".py"):
+          text = open(os.path.join(folder, name)).read()
+          if "sys.path" in text or "PYTHONPATH" in text:
+            bad.append(os.path.relpath(os.path.join(folder, name), ROOT))
+  assert not bad, bad

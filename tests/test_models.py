@@ -11,6 +11,7 @@ from conftest import make_mesh
 from sparsejax import models
 from sparsejax.train import default_config
 from sparsejax.train.optimizer import compressor, fused_optimizer, train_chain
+from sparsejax.train.plan import make_plan
 from sparsejax.train.state import create_train_state, shard_batch
 from sparsejax.train.step import jit_eval_step, jit_train_step
 
@@ -60,7 +61,7 @@ def test_one_sharded_train_step_per_family(rng, name, filters, size, dtype):
   mesh = make_mesh(2, 4)
   setup, state = create_train_state(
       model, mesh, (size, size, 3),
-      lambda layout: train_chain(compressor(config),
+      lambda layout: train_chain(compressor(config, make_plan(config, 10)),
                                  fused_optimizer(config.optimizer, 0.1, layout)),
       num_classes=7)
   before = np.asarray(state.params)
@@ -101,7 +102,7 @@ def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_l
   mesh = make_mesh(2, 4)
 
   def make_tx(layout):
-    return train_chain(compressor(config),
+    return train_chain(compressor(config, make_plan(config, 10)),
                        fused_optimizer(config.optimizer, 1e-3, layout))
   tokens = rng.integers(1, vocab, (16, length + 1)).astype(np.int32)
   tokens[:, -3:] = 0  # padding

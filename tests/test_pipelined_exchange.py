@@ -17,6 +17,7 @@ from sparsejax.train import config as config_lib
 from sparsejax.train import pipelined as pipeline_lib
 from sparsejax.train import train_and_evaluate
 from sparsejax.train.optimizer import compressor, decay_mask, train_chain
+from sparsejax.train.plan import make_plan
 from sparsejax.train.state import create_train_state, shard_batch
 from sparsejax.train.step import cross_entropy
 from tests.conftest import make_mesh
@@ -68,7 +69,7 @@ def test_each_gradient_is_applied_one_step_late(placement, start, predict):
   lr, steps = 0.3, 6
 
   def make_tx(layout):
-    return train_chain(compressor(_dense()),
+    return train_chain(compressor(_dense(), make_plan(_dense(), 10)),
                        optim.fused_sgd(lr, momentum=None, weight_decay=0.0,
                                        weight_decay_mask=decay_mask, layout=layout))
 
@@ -121,7 +122,7 @@ def test_local_prediction_takes_each_gradient_where_its_own_update_would_land(pl
     return optim.fused_adamw(lr, weight_decay=0.0, mask=decay_mask, layout=layout)
 
   def make_tx(layout):
-    return train_chain(compressor(_dense()), make_optimizer(layout))
+    return train_chain(compressor(_dense(), make_plan(_dense(), 10)), make_optimizer(layout))
 
   setup, params0, state, counts, model, batches = _pipelined(
       placement, make_tx, steps, start=start, predict="local", make_optimizer=make_optimizer)
@@ -157,7 +158,7 @@ def test_a_non_finite_late_gradient_is_not_guessed_from(placement):
     return optim.fused_adamw(0.01, weight_decay=0.0, mask=decay_mask, layout=layout)
 
   def make_tx(layout):
-    return train_chain(compressor(_dense()), make_optimizer(layout))
+    return train_chain(compressor(_dense(), make_plan(_dense(), 10)), make_optimizer(layout))
 
   mesh, compute_mesh = _meshes(placement)
   model = models.build("mlp", num_classes=10, hidden=(37,))
@@ -188,10 +189,12 @@ def test_both_placements_compute_the_same_run():
   steps = 7
   compression = config_lib.default_config()
   compression.compression.density = 0.05
+  compression.compression.warmup_epochs = 1.0  # (its levels: 0.05, 0.2, ...)
+  plan = make_plan(config_lib.validate(compression), 10)
   levels = {s: (0 if s < 3 else 1) for s in range(steps)}
 
   def make_tx(layout):
-    return train_chain(compressor(compression, lambda step: 0.25, layout=layout),
+    return train_chain(compressor(compression, plan, layout=layout),
                        optim.fused_adamw(3e-3, weight_decay=0.01, mask=decay_mask,
                                          layout=layout))
 

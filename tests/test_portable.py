@@ -68,7 +68,7 @@ def test_commands_in_results_are_portable():
           "/var/lock/bench.lock", f"--out={os.path.join(ROOT, 'runs', 'x.json')}", "--seeds", "3",
           "/srv/elsewhere/data"]
   got = results_io.command_line(os.path.join(ROOT, "benchmarks", "topk.py"), argv)
-  assert got == ("python benchmarks/topk.py --config configs/quickstart.py --lock $LOCK "
+  assert got == ("python -m benchmarks.topk --config configs/quickstart.py --lock $LOCK "
                  "--out=runs/x.json --seeds 3 $PATH")
   assert results_io.portable_path(os.path.join(ROOT, "configs", "x.py")) == "configs/x.py"
   assert results_io.resolve("configs/x.py") == os.path.join(ROOT, "configs", "x.py")

@@ -14,6 +14,7 @@ from sparsejax.train import config as config_lib
 from sparsejax.train import resize, validate
 from sparsejax.train.checkpoint import Checkpointer
 from sparsejax.train.mesh import make_mesh
+from sparsejax.train.plan import make_plan
 from sparsejax.train.state import from_config, shard_batch
 from sparsejax.train.step import jit_train_step
 
@@ -64,7 +65,7 @@ def small_config(algorithm):
 
 def build(config, nodes, local):
   mesh = make_mesh(nodes, local, jax.devices()[:nodes * local])
-  return mesh, *from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+  return mesh, *from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
 
 
 @pytest.mark.parametrize("algorithm", ["hitopk", "allgather"])

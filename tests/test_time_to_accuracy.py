@@ -77,7 +77,7 @@ def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
   assert max(by_level) > 0.01 and by_level[max(by_level)] > 3 * by_level[0.01]
   assert set(jax_systems) <= set(got["analysis"])
   md = out.with_suffix(".md").read_text()
-  assert "| dense |" in md and "Command: `python studies/time_to_accuracy/run.py --quick" in md
+  assert "| dense |" in md and "Command: `python -m studies.time_to_accuracy.run --quick" in md
 
 
 def test_quick_run_trains_the_pytorch_peer_and_measures_parity(quick):
@@ -481,12 +481,13 @@ def test_a_pipelined_system_is_paired_with_its_unpipelined_twin():
 
 
 def test_both_runners_train_a_resnet_through_its_resize_stages_and_evaluate_at_the_last_size():
-  """The CNN task's path on digits (8 x 8): JaxRun compiles a step per (density level, image
-  size) before the clock, and it and the PyTorch peer train each step at its epoch's size and
-  evaluate at the size of the last step taken; the sweep's `level_step` holds a level's size."""
+  """The CNN task's path on digits (8 x 8): the trainer's `Run` compiles a step per (density
+  level, image size) before the clock, and it and the PyTorch peer train each step at its
+  epoch's size and evaluate at the size of the last step taken; the sweep's step (`step_at`)
+  holds a level's size."""
   pytest.importorskip("torch", reason=f"needs PyTorch: {tta_systems.PEERS_INSTALL}")
+  from sparsejax.train import Run
   from sparsejax.train.config import default_config, validate
-  from studies.time_to_accuracy.jax_runner import JaxRun
   from studies.time_to_accuracy.torch_peer import TorchRun
   config = default_config()
   config.model.name, config.model.num_filters = "resnet20", 4
@@ -495,16 +496,18 @@ def test_both_runners_train_a_resnet_through_its_resize_stages_and_evaluate_at_t
   config.optimizer.name, config.optimizer.learning_rate = "lars", 2.0
   config.mesh.nodes, config.mesh.local = 1, 8  # (the test process's 8 CPU devices)
   validate(config)
-  runs = [JaxRun(config, (1, 8)), TorchRun(config, 0, 1, False, distributed=False)]
-  jax_run, torch_run = runs
-  assert jax_run.total == 9 and jax_run.sizes == [6] * 5 + [8] * 4 == torch_run.sizes
-  assert {size for _, size in jax_run.step_fns} == {6, 8}
-  for run in runs:
-    run.step(7, level_step=2)  # (the sweep: batch 7 at step 2's size)
-    assert run.size == 6
-    for step in range(run.total):
-      run.step(step)
-      run.wait()
-      assert run.size == run.sizes[step]
-    metrics = run.evaluate()
-    assert run.size == 8 and 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])
+  jax_run, torch_run = Run(config), TorchRun(config, 0, 1, False, distributed=False)
+  jax_run.compile()
+  sizes = [jax_run.plan.image_size(s) for s in range(jax_run.plan.total_steps)]
+  assert jax_run.plan.total_steps == 9 and sizes == [6] * 5 + [8] * 4 == torch_run.sizes
+  jax_run.step_at(7, 2)  # (the sweep: batch 7 at step 2's size)
+  torch_run.step_at(7, 2)
+  assert torch_run.size == 6
+  for step in range(9):
+    jax_run.step(step)
+    jax_run.wait()
+    torch_run.step(step)
+    assert torch_run.size == sizes[step]
+  for metrics in (jax_run.evaluate(), torch_run.evaluate()):
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])
+  assert jax_run.size == torch_run.size == 8

@@ -20,6 +20,7 @@ from sparsejax.train import TooManySkippedSteps, default_config, train_and_evalu
 from sparsejax.train import config as config_lib
 from sparsejax.train import optimizer as optimizer_lib
 from sparsejax.train.optimizer import compressor, decay_mask, fused_optimizer, train_chain
+from sparsejax.train.plan import make_plan
 from sparsejax.train.state import create_train_state, from_config, shard_batch
 from sparsejax.train.step import jit_train_step
 
@@ -108,7 +109,7 @@ def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   mesh = make_mesh(2, 4)
 
   def make_tx(layout):
-    compress = compressor(config)
+    compress = compressor(config, make_plan(config, 10))
     if decay_in == "gradient":  # in front of the compressor, as with momentum correction
       compress = optimizer_lib.weight_decay_first(compress, 1e-3, layout)
     return train_chain(compress, fused_optimizer(config.optimizer, 0.05, layout))
@@ -268,11 +269,11 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
                                     "compression.density": 0.02,
                                     "experimental.momentum_masking": True,
                                     "model.num_filters": 4}))
-  assert momentum_correction(config) == MomentumCorrection(momentum=0.9, nesterov=True,
-                                                          masking=True)
+  assert momentum_correction(config, make_plan(config, 10)) == MomentumCorrection(
+      momentum=0.9, nesterov=True, masking=True)
   assert config.optimizer.momentum == 0.9  # the config is not rewritten
   mesh = make_mesh(2, 4)
-  setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+  setup, state = from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
   optimizer_state = state.chain.optimizer
   assert optimizer_state.momentum is None  # the optimizer has no momentum of its own
   feedback = state.comm_state.feedback
@@ -336,7 +337,7 @@ def _lars_moves(batch_of, common=(), **option):
                 "compression.momentum_correction": True,
                 "experimental.momentum_masking": False, **option}):
     config = validate(small_config(**changes, **more))
-    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    setup, state = from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
     if more["compression.algorithm"] == "hitopk":
       assert state.chain.optimizer.momentum is None  # the momentum is in the compressor
     start = np.asarray(state.params, np.float64)
@@ -401,7 +402,7 @@ def test_whole_vectors_send_the_one_dimensional_leaves_whole():
   sent = {}
   for whole in (False, True):
     config = validate(small_config(**base, **{"experimental.whole_vectors": whole}))
-    setup, state = from_config(config, mesh, 10, (8, 8, 1), steps_per_epoch=10, total_steps=20)
+    setup, state = from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
     step = jit_train_step(setup, state)
     for i in range(2):
       state, _ = step(state, *shard_batch(mesh, train.images[i * 64:(i + 1) * 64],
@@ -454,8 +455,8 @@ def test_without_momentum_correction_the_optimizer_keeps_the_momentum():
   config's momentum and the compressor keeps a residual only."""
   config = validate(small_config(**{"model.name": "mlp", "model.hidden": (8,)}))
   assert not config.compression.momentum_correction
-  _, state = from_config(config, make_mesh(2, 4), 10, (8, 8, 1), steps_per_epoch=10,
-                         total_steps=20)
+  _, state = from_config(config, make_plan(config, 10), make_mesh(2, 4), 10,
+                         (8, 8, 1))
   optimizer_state = state.chain.optimizer
   assert optimizer_state.momentum is not None
   assert state.comm_state.feedback.velocity is None

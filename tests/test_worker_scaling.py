@@ -92,7 +92,7 @@ def test_the_table_compares_gtopk_with_allgather_at_the_same_workers(tmp_path):
               (16, "gtopk-0.04-mc", 0, None, 0.80), (16, "gtopk-0.04-mc", 1, 44, 0.90)]]
   meta = {"config": "configs/x.py", "metric": "accuracy", "target": 0.85, "seeds": 2,
           "systems": ["allgather-0.01-mc", "gtopk-0.01-mc", "gtopk-0.04-mc"], "workers": [16],
-          "command": "python studies/worker_scaling/run.py", "machine": "x", "cpus": 2,
+          "command": "python -m studies.worker_scaling.run", "machine": "x", "cpus": 2,
           "date": "today"}
   path = tmp_path / "r.json"
   path.write_text(json.dumps({"meta": meta, "runs": runs}))
@@ -172,7 +172,7 @@ def _at_nodes_results(links):
            for d in (0.004, 0.005, 0.006)]
   meta = {"nodes": 16, "parameters": n, "bandwidths": links, "config": "configs/x.py",
           "scaling": "s.json", "calibration": at_nodes.CALIBRATION, "alpha_s": 0.001,
-          "seeds": 3, "command": "python studies/worker_scaling/at_nodes.py", "machine": "x",
+          "seeds": 3, "command": "python -m studies.worker_scaling.at_nodes", "machine": "x",
           "cpus": 2, "date": "today"}
   return {"meta": meta, "systems": systems, "local": local}
 

@@ -47,7 +47,6 @@ written to `auto.csv` and kept in the checkpoints' and summary.json's "exchange_
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import math
@@ -61,13 +60,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import comm, cost
-from sparsejax import compress as compress_lib
 from sparsejax import topk as topk_lib
 from sparsejax.train.mesh import WORKERS
 
 __all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "with_run_costs",
            "fit_in_steps", "faster", "moved_window",
-           "lag_steps", "spread_matters", "step_factor", "choose", "probe_interval", "scheduled",
+           "lag_steps", "spread_matters", "step_factor", "choose", "probe_interval",
            "measuring", "AutoExchange", "FORMS"]
 
 FORMS = ("dense", "sparse")
@@ -222,37 +220,10 @@ def probe_interval(probe_s: float, step_s: float, budget: float) -> int | None:
   return max(1, math.ceil(probe_s / (budget * step_s)))
 
 
-def scheduled(schedule: Sequence[Sequence[Any]], step: int) -> str:
-  """The form `schedule` ((first_step, form), ...) gives `step` ("measured": the measured one)."""
-  form = schedule[0][1]
-  for first, f in schedule:
-    if first <= step:
-      form = f
-  return form
-
-
-def step_schedule(config: Any, steps_per_epoch: int) -> tuple[tuple[int, str], ...]:
-  """((first_step, form), ...) of a validated config: under "auto" `auto.schedule` (epochs) in
-  steps, or measured throughout; for the other algorithms "sparse" throughout; with the dense
-  start (`compression.dense_epochs`) in front."""
-  from sparsejax.train.optimizer import dense_steps
-  steps: dict[int, str] = {}
-  fixed = config.auto.schedule if config.compression.algorithm == "auto" else ((0.0, "sparse"),)
-  for epoch, form in fixed or ((0.0, "measured"),):
-    steps[round(epoch * steps_per_epoch)] = form  # the last of those rounded to one step
-  schedule = sorted(steps.items())
-  start = dense_steps(config, steps_per_epoch)
-  if not start:
-    return tuple(schedule)
-  return ((0, "dense"), (start, scheduled(schedule, start)),
-          *((s, f) for s, f in schedule if s > start))
-
-
-def measuring(config: Any) -> bool:
-  """Whether algorithm "auto" measures in this validated config (at all steps, or from a
-  schedule's "measured" entry on); False for fixed schedules and the other algorithms."""
-  return config.compression.algorithm == "auto" and (
-      not config.auto.schedule or any(form == "measured" for _, form in config.auto.schedule))
+def measuring(plan: Any) -> bool:
+  """Whether algorithm "auto" measures in a run of this plan (at all steps, or from a
+  schedule's "measured" entry on); False for fixed forms and the other algorithms."""
+  return any(form == "measured" for _, form in plan.forms)
 
 
 # ----------------------------------------------------------------------------- the probes
@@ -460,18 +431,17 @@ class AutoExchange:
   FAR_OFF = 2.0  # a form whose modelled exchange alone is this many times a close call is not
   # run to be timed (`_far`): a margin for a link read that many times too slow
 
-  def __init__(self, config: Any, setup: Any, state_like: Any, *, sparse_level: Callable,
-               dense_level: int, history: list[dict[str, Any]], steps_per_epoch: int,
-               total_steps: int, compiled: Callable[[int], Callable]):
+  def __init__(self, config: Any, plan: Any, setup: Any, state_like: Any, *,
+               history: list[dict[str, Any]], compiled: Callable[[int], Callable]):
     from sparsejax.train import step as step_lib  # (step imports state, which needs no auto)
     c = config.compression
     self.compression, self.options = c, config.auto
-    self.schedule = step_schedule(config, steps_per_epoch)
+    self.plan = plan
     self.setup = setup
-    self.sparse_level, self.dense_level = sparse_level, dense_level
-    self.levels = compress_lib.density_levels(c.density)  # the sparse form's, by level
+    self.sparse_level, self.dense_level = plan.sparse_level, plan.dense_level
+    self.levels = plan.levels  # the sparse form's, by level
     self.history = history
-    self.total_steps = total_steps
+    self.total_steps = plan.total_steps
     self.compiled = compiled
     mesh = setup.mesh
     self.nodes, self.local = mesh.shape["node"], mesh.shape["local"]
@@ -500,9 +470,7 @@ class AutoExchange:
     self._reread = ""  # the note of a second link read in the measurement under way
     # the density warm-up's end: its first step at the final level (the levels only fall,
     # from the dense start's and the warm-up's to the final one: a search, not a scan of the run)
-    final = sparse_level(total_steps - 1)
-    self.warmup_end = bisect.bisect_left(range(total_steps), True,
-                                         key=lambda s: sparse_level(s) == final)
+    self.warmup_end = plan.level_steps[-1][0]
     self._open_at: int | None = None  # the step whose start opens the next window
 
   @property
@@ -512,7 +480,7 @@ class AutoExchange:
 
   def _scheduled(self, step: int) -> str:
     """The schedule's form at `step` ("measured" where it measures)."""
-    return scheduled(self.schedule, step)
+    return self.plan.form(step)
 
   def level(self, step: int) -> int:
     """The compressor's level at `step` for the form in force."""
@@ -523,7 +491,7 @@ class AutoExchange:
 
   def _due(self, step: int) -> bool:
     last = self.history[-1]["step"] if self.history else None
-    if any(first == step for first, _ in self.schedule) or last is None:
+    if any(first == step for first, _ in self.plan.forms) or last is None:
       return last != step
     next_step = self.history[-1].get("next_step")
     return (self._scheduled(step) == "measured" and next_step is not None and last != step

@@ -5,32 +5,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from sparsejax import data as data_lib
 from sparsejax import models
-from sparsejax.train import auto as auto_lib
-from sparsejax.train import checkpoint, schedules
+from sparsejax.train import checkpoint
 from sparsejax.train import config as config_lib
-from sparsejax.train import optimizer as optimizer_lib
-from sparsejax.train import pipelined as pipeline_lib
-from sparsejax.train import step as step_lib
 from sparsejax.train.metrics import MetricsWriter, NullWriter
-from sparsejax.train.state import TrainSetup, from_config, place, shard_batch
+from sparsejax.train.run import Run
+from sparsejax.train.state import place
 
-__all__ = ["train_and_evaluate", "evaluate", "check_workdir",
-           "TooManySkippedSteps"]
+__all__ = ["train_and_evaluate", "check_workdir", "TooManySkippedSteps"]
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -47,19 +40,6 @@ def check_workdir(workdir: str) -> str:
   except OSError as e:
     raise ValueError(f"workdir {workdir!r} is not writable: {e.strerror}") from None
   return workdir
-
-
-def evaluate(setup: TrainSetup, eval_step, state, data: data_lib.Inputs,
-             size: int | None) -> dict[str, float]:
-  """The eval metrics of `state` over the whole eval set (padding weighted out); `eval_step`
-  from `step.jit_eval_step`."""
-  totals: dict[str, float] = {}
-  for images, labels, weights in data.eval_batches(size):
-    sums = jax.device_get(eval_step(state, *shard_batch(setup.mesh, images, labels, weights)))
-    for k, v in sums.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-  count = totals.pop("count")
-  return {k: v / count for k, v in totals.items()}
 
 
 def _mean(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -83,17 +63,20 @@ class _Tally:
   t0: float = dataclasses.field(default_factory=time.time)
 
   @classmethod
-  def resume(cls, summary_path: str, start: int, saved: dict[str, Any] | None) -> _Tally:
+  def resume(cls, summary_path: str, start: int, saved: dict[str, Any] | None,
+             choices: list[dict[str, Any]]) -> _Tally:
     """From zero when the run starts at `start` = 0, else from `saved` (what `record` gave when
     the checkpoint at `start` was written) or, for a checkpoint saved without it, from
     `summary_path`. The wall time counts steps that are redone (the summary may be newer than
-    the checkpoint); the clock starts now."""
+    the checkpoint); the clock starts now. `choices` (auto's history, empty) gets the choices
+    made before `start` and is the tally's `exchange_choices`."""
     summary = json.load(open(summary_path)) if start and os.path.exists(summary_path) else {}
     previous = saved if start and saved is not None else summary
     wall = max(float(previous.get("wall_time_s", 0.0)), float(summary.get("wall_time_s", 0.0)))
+    choices.extend(c for c in previous.get("exchange_choices", []) if c["step"] < start)
     return cls(previous, float(previous.get("bytes_sent", 0.0)),
                int(previous.get("skipped_steps", 0)), wall, previous.get("time_to_target"),
-               [c for c in previous.get("exchange_choices", []) if c["step"] < start])
+               choices)
 
   def wall_time_s(self) -> float:
     return self.wall_before + time.time() - self.t0
@@ -167,52 +150,38 @@ class _Preemption:
 
 @dataclasses.dataclass
 class _Job:
-  """The pieces of a run that the loop uses and that do not change while it runs."""
+  """What the loop adds to a `Run`: checkpoints, metrics, the tally, the cadences."""
 
-  config: Any
-  setup: TrainSetup
-  data: data_lib.Inputs
-  train_step: Callable  # (step, state, *batch) -> (state, [metrics of each update made])
-  eval_step: Callable
-  sync: Callable  # state -> state with the BatchNorm statistics averaged over the workers
+  run: Run
   ckpt: checkpoint.Checkpointer
   writer: MetricsWriter | NullWriter
   tally: _Tally
-  steps_per_epoch: int
-  total_steps: int
-  stage_ends: set[int]  # steps where a resize stage ends (evaluated when the config asks)
-  auto: auto_lib.AutoExchange | None = None  # algorithm "auto": chooses the form before a step
 
-  def run_eval(self, state: Any, step: int) -> Any:
-    """Evaluates at `step` (the BatchNorm statistics synced first); returns the synced state."""
-    state = self.sync(state)
-    # the size of the stage that just trained (at a stage's end, not the next stage's)
-    size = schedules.image_size(self.config.data.resize_schedule,
-                                max(0, step - 1) / self.steps_per_epoch)
-    metrics = evaluate(self.setup, self.eval_step, state, self.data, size)
+  def run_eval(self, step: int) -> None:
+    """Evaluates at `step` (the BatchNorm statistics synced first, at the size of the stage
+    that just trained)."""
+    metrics = self.run.evaluate(step)
     self.writer.write("eval", step, metrics)
-    self.tally.add_eval(self.config, step, metrics)
-    return state
+    self.tally.add_eval(self.run.config, step, metrics)
 
-  def save(self, state: Any, step: int) -> Any:
-    """Starts saving `state` as `step` (BatchNorm statistics synced first) with the tally so
-    far; returns the synced state without waiting for the files."""
-    state = self.sync(state)
-    self.ckpt.save(step, state, meta=self.tally.record(self.config))
-    return state
+  def save(self, step: int) -> None:
+    """Starts saving the state as `step` (BatchNorm statistics synced first) with the tally so
+    far, without waiting for the files."""
+    self.run.sync()
+    self.ckpt.save(step, self.run.state, meta=self.tally.record(self.run.config))
 
-  def stop(self, state: Any, step: int, bar: tqdm, why: str) -> None:
-    """Saves `state` as `step` when the run stops early (`why`: SIGINT, SIGTERM), as it is: its
-    BatchNorm statistics not synced, so that the resumed run equals an uninterrupted one."""
+  def stop(self, step: int, bar: tqdm, why: str) -> None:
+    """Saves the state as `step` when the run stops early (`why`: SIGINT, SIGTERM), as it is:
+    its BatchNorm statistics not synced, so that the resumed run equals an uninterrupted one."""
     bar.close()
     print(f"\n{'interrupted' if why == 'SIGINT' else why}: saving a checkpoint at step {step} "
           f"in {self.ckpt.directory}", flush=True)
-    self.ckpt.save(step, state, meta=self.tally.record(self.config))
+    self.ckpt.save(step, self.run.state, meta=self.tally.record(self.run.config))
 
-  def log(self, pending: list[dict[str, jax.Array]], done: int, state: Any, bar: tqdm) -> None:
+  def log(self, pending: list[dict[str, jax.Array]], done: int, bar: tqdm) -> None:
     """Writes the mean of the `pending` steps' metrics; stops a run that skips too often."""
-    config = self.config
-    logged = {**_mean(pending), **self.data.stats()}
+    config, state = self.run.config, self.run.state
+    logged = {**_mean(pending), **self.run.data.stats()}
     self.tally.bytes_sent += logged["bytes_sent"] * len(pending)
     self.tally.skipped_steps += int(logged["skipped"])
     self.writer.write("train", done, logged)
@@ -225,56 +194,44 @@ class _Job:
           f"{done}. The last good checkpoint is step {self.ckpt.latest_step()} in "
           f"{self.ckpt.directory}")
 
-  def after_step(self, state: Any, done: int) -> Any:
+  def after_step(self, done: int) -> None:
     """Evaluates and saves where the config asks, before the last step."""
-    config = self.config
-    if done < self.total_steps and ((config.eval_every_steps
-                                     and done % config.eval_every_steps == 0)
-                                    or done in self.stage_ends):
-      with self.aside(state):
-        state = self.run_eval(state, done)
+    config, total = self.run.config, self.run.plan.total_steps
+    if done < total and ((config.eval_every_steps and done % config.eval_every_steps == 0)
+                         or done in self.run.plan.stage_ends):
+      with self.run.aside():
+        self.run_eval(done)
     if (config.checkpoint_every_steps and done % config.checkpoint_every_steps == 0
-        and done < self.total_steps):
-      with self.aside(state):
-        state = self.save(state, done)
-    return state
-
-  def aside(self, state: Any) -> Any:
-    """A context for work between steps that algorithm "auto" leaves out of the steps' time."""
-    return self.auto.paused(state) if self.auto is not None else contextlib.nullcontext()
+        and done < total):
+      with self.run.aside():
+        self.save(done)
 
 
-def _train(job: _Job, state: Any, start: int, show: bool,
-           preemption: _Preemption) -> tuple[Any, int, str | None]:
-  """Steps `start` to the end; returns (state, steps done, None or what stopped the run early:
+def _train(job: _Job, start: int, show: bool, preemption: _Preemption
+           ) -> tuple[int, str | None]:
+  """Steps `start` to the end; returns (steps done, None or what stopped the run early:
   "SIGINT" for Ctrl-C, "SIGTERM" after the step in flight)."""
-  config, total_steps = job.config, job.total_steps
-  bar = tqdm(total=total_steps, initial=start, disable=not show, unit="step", dynamic_ncols=True)
+  run = job.run
+  total = run.plan.total_steps
+  bar = tqdm(total=total, initial=start, disable=not show, unit="step", dynamic_ncols=True)
   pending: list[dict[str, jax.Array]] = []
   try:
-    for step in range(start, total_steps):
-      # progressive resizing: the size comes from the schedule, each size compiles once
-      size = schedules.image_size(config.data.resize_schedule, step / job.steps_per_epoch)
-      images, labels = job.data.train_batch(step, size)
-      batch = shard_batch(job.setup.mesh, images, labels)
-      if job.auto is not None:
-        job.auto.before_step(step, state, batch, job.writer)
-      state, metrics = job.train_step(step, state, *batch)
-      pending.extend(metrics)
+    for step in range(start, total):
+      pending.extend(run.step(step, job.writer))
       done = step + 1
-      if pending and (done % config.log_every_steps == 0 or done == total_steps):
-        job.log(pending, done, state, bar)
+      if pending and (done % run.config.log_every_steps == 0 or done == total):
+        job.log(pending, done, bar)
         pending = []
       bar.update(1)
-      state = job.after_step(state, done)
+      job.after_step(done)
       if preemption.reached(done):
-        job.stop(state, done, bar, "SIGTERM")
-        return state, done, "SIGTERM"
-    return state, total_steps, None
+        job.stop(done, bar, "SIGTERM")
+        return done, "SIGTERM"
+    return total, None
   except KeyboardInterrupt:
-    step = int(state.step)
-    job.stop(state, step, bar, "SIGINT")
-    return state, step, "SIGINT"
+    step = int(run.state.step)
+    job.stop(step, bar, "SIGINT")
+    return step, "SIGINT"
   finally:
     bar.close()
 
@@ -303,108 +260,30 @@ def _write_json(path: str, content: dict[str, Any]) -> None:
   os.replace(tmp, path)
 
 
-def _stage_ends(config: Any, steps_per_epoch: int) -> set[int]:
-  """The steps where a resize stage ends, when the config evaluates there."""
-  if not config.eval_at_stage_boundaries:
-    return set()
-  return set(schedules.stage_starts(config.data.resize_schedule, config.num_epochs,
-                                    steps_per_epoch))
-
-
-class _PerLevel:
-  """The train step compiled once per density level."""
-
-  def __init__(self, setup: TrainSetup, state_like: Any):
-    self.setup, self.state_like = setup, state_like
-    self._steps: dict[int | None, Callable] = {}
-
-  def compiled(self, level: int | None) -> Callable:
-    """`(state, *batch) -> (state, metrics)` at `level` (jitted on first use, the state
-    donated)."""
-    if level not in self._steps:
-      self._steps[level] = step_lib.jit_train_step(self.setup, self.state_like, level)
-    return self._steps[level]
-
-  def by(self, level_of: Callable[[int], int | None]) -> Callable:
-    """`(step, state, *batch) -> (state, [metrics])`, the level chosen on the host from the
-    step (`level_of`)."""
-    def train_step(step, state, *batch):
-      state, metrics = self.compiled(level_of(step))(state, *batch)
-      return state, [metrics]
-    return train_step
-
-
-def _train_step(config: Any, setup: TrainSetup, state: Any, per_level: _PerLevel,
-                auto: auto_lib.AutoExchange | None, steps_per_epoch: int, total_steps: int,
-                compute_mesh: Any) -> Callable:
-  """The loop's `(step, state, *batch) -> (state, [metrics])`: pipelined where
-  `overlap.pipeline` says so, else one compiled step per density level."""
-  if state.pending is None:
-    return per_level.by(auto.level if auto else setup.density_level)
-  return pipeline_lib.from_config(config, setup, state, steps_per_epoch=steps_per_epoch,
-                                  total_steps=total_steps, compute_mesh=compute_mesh)
-
-
-def _auto(config: Any, setup: TrainSetup, state: Any, steps_per_epoch: int, total_steps: int,
-          tally: _Tally, per_level: _PerLevel) -> auto_lib.AutoExchange | None:
-  """The chooser of algorithm "auto" (None for the others), its history carried in `tally`."""
-  if config.compression.algorithm != "auto":
-    return None
-  density = schedules.density(config.compression, steps_per_epoch)
-  return auto_lib.AutoExchange(
-      config, setup, state, sparse_level=setup.density_level,
-      dense_level=optimizer_lib.dense_level_index(config, density),
-      history=tally.exchange_choices, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-      compiled=per_level.compiled)
-
-
 def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> dict[str, Any]:
   """Trains `config` (a validated or raw config), writing metrics, checkpoints and
   `summary.json` under `workdir`; resumes from the latest checkpoint there. Returns the summary."""
-  # --- checks that need no compilation
   config = config_lib.validate(config)
   workdir = check_workdir(workdir)
-  placement = config.overlap.pipeline
-  mesh, compute_mesh = pipeline_lib.meshes(config.mesh.nodes, config.mesh.local, placement)
-  if config.batch_size % mesh.size:
-    raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
-                     f"{mesh.size} devices of the mesh")
-  data = data_lib.open_inputs(config)
-  steps_per_epoch = data.steps_per_epoch
-  total_steps = max(1, math.ceil(config.num_epochs * steps_per_epoch))
-
-  # --- model, transforms, state
-  example = data.example(schedules.image_size(config.data.resize_schedule, 0.0))
-  setup, state = from_config(config, mesh, data.num_classes, example,
-                             steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-  if placement:  # the pipelined exchange carries the computed gradient in the state
-    state = pipeline_lib.with_pending(setup, state, shard_batch(mesh, *data.train_batch(
-        0, schedules.image_size(config.data.resize_schedule, 0.0))))
+  summary_path = os.path.join(workdir, "summary.json")
+  choices: list[dict[str, Any]] = []  # algorithm "auto": its choices, carried on a resume
+  run = Run(config, history=choices)
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
   with _Preemption() as preemption, contextlib.ExitStack() as cleanup:
     cleanup.callback(ckpt.close)  # waits for the last checkpoint and its manifest
-    start, state = ckpt.restore_latest(state, lambda restored: place(restored, mesh))
+    start, run.state = ckpt.restore_latest(run.state, lambda restored: place(restored, run.mesh))
+    tally = _Tally.resume(summary_path, start, ckpt.meta(start), choices)
     lead = jax.process_index() == 0  # the process that writes metrics and the summary
     writer = MetricsWriter(workdir, resume_step=start) if lead else NullWriter()
     cleanup.callback(writer.close)
-    summary_path = os.path.join(workdir, "summary.json")
-    tally = _Tally.resume(summary_path, start, ckpt.meta(start))
-    per_level = _PerLevel(setup, state)
-    auto = _auto(config, setup, state, steps_per_epoch, total_steps, tally, per_level)
-    job = _Job(config, setup, data, _train_step(config, setup, state, per_level, auto,
-                                                steps_per_epoch, total_steps, compute_mesh),
-               step_lib.jit_eval_step(setup, state), step_lib.jit_sync_batch_stats(mesh), ckpt,
-               writer, tally, steps_per_epoch, total_steps, _stage_ends(config, steps_per_epoch),
-               auto)
-
-    # --- the loop
-    state, step, stopped_by = _train(job, state, start, progress and lead, preemption)
+    job = _Job(run, ckpt, writer, tally)
+    step, stopped_by = _train(job, start, progress and lead, preemption)
     if not stopped_by:
-      state = job.run_eval(state, total_steps)
-      job.save(state, total_steps)
+      job.run_eval(run.plan.total_steps)
+      job.save(run.plan.total_steps)
 
   # --- the summary, once the last checkpoint is written
-  summary = _summary(config, job.tally, step, total_steps, stopped_by, mesh)
+  summary = _summary(config, job.tally, step, run.plan.total_steps, stopped_by, run.mesh)
   if lead:
     _write_json(summary_path, summary)
   return summary

@@ -20,7 +20,6 @@ too; LARS: its trust ratio too, each worker's own), and the optimizer is plain S
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -28,21 +27,17 @@ import jax.numpy as jnp
 import optax
 
 from sparsejax import optim
-from sparsejax.comm import SPARSE_ALGORITHMS
-from sparsejax.compress import density_levels, level_index, topk_allreduce
+from sparsejax.compress import topk_allreduce
 from sparsejax.feedback import AdamCorrection, MomentumCorrection
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["build_optimizer", "exchange_algorithm", "has_dense_form", "dense_steps",
-           "dense_level_index", "MomentumCorrection",
-           "momentum_correction", "compressor",
+__all__ = ["build_optimizer", "MomentumCorrection", "momentum_correction", "compressor",
            "fused_optimizer", "weight_decay_first", "lars_first", "learning_rate_first",
-           "train_chain", "density_level_fn",
-           "decay_mask", "NormState", "record_norm", "ChainState", "named_chain", "chain_parts",
-           "replace_parts", "TRUST_RATIOS"]
+           "train_chain", "optimizer_behind_exchange", "decay_mask", "NormState", "record_norm",
+           "ChainState", "named_chain", "chain_parts", "replace_parts", "TRUST_RATIOS"]
 
 # lars_first's trust ratio: each worker's own, or the workers' mean's (sketched)
 TRUST_RATIOS = ("worker", "mean")
@@ -115,42 +110,21 @@ def replace_parts(opt_state: Any, **parts: Any) -> Any:
   return opt_state._replace(inner_state=chain_parts(opt_state)._replace(**parts))
 
 
-def exchange_algorithm(config: Any) -> str:
-  """The algorithm a validated config's compressor is built for: `auto.sparse` under "auto"
-  (which adds the dense form), else `compression.algorithm`."""
-  c = config.compression
-  return config.auto.sparse if c.algorithm == "auto" else c.algorithm
-
-
-def has_dense_form(config: Any) -> bool:
-  """Whether the compressor also offers its dense form (`topk_allreduce(..., dense_level=True)`):
-  under "auto", and for a sparse algorithm with a dense start (`compression.dense_epochs`)."""
-  c = config.compression
-  return c.algorithm == "auto" or (c.dense_epochs > 0 and c.algorithm in SPARSE_ALGORITHMS)
-
-
-def dense_steps(config: Any, steps_per_epoch: int) -> int:
-  """The steps of the dense start (`compression.dense_epochs`), 0 without one."""
-  if not has_dense_form(config):
-    return 0
-  return round(config.compression.dense_epochs * steps_per_epoch)
-
-
-def momentum_correction(config: Any) -> MomentumCorrection | None:
+def momentum_correction(config: Any, plan: Any) -> MomentumCorrection | None:
   """The config's momentum correction, or None when it has none (off, or a dense exchange:
   nothing is delayed there)."""
   c, o = config.compression, config.optimizer
-  if not (c.momentum_correction and exchange_algorithm(config) in SPARSE_ALGORITHMS):
+  if not (c.momentum_correction and plan.sparse):
     return None
   return MomentumCorrection(o.momentum, o.nesterov, config.experimental.momentum_masking)
 
 
-def compressor(config: Any, density_schedule: Callable | None = None,
-               correction: MomentumCorrection | None = None,
+def compressor(config: Any, plan: Any, correction: MomentumCorrection | None = None,
                adam: AdamCorrection | None = None, layout: FlatLayout | None = None
                ) -> optax.GradientTransformation:
   """The exchange a validated config describes (its `compression` group, with `auto.sparse`
-  under "auto" and the `experimental` options), with momentum or Adam correction if given."""
+  under "auto" and the `experimental` options; the plan's algorithm, density levels and dense
+  form), with momentum or Adam correction if given."""
   c = config.compression
   whole = None
   if config.experimental.whole_vectors:
@@ -158,17 +132,17 @@ def compressor(config: Any, density_schedule: Callable | None = None,
       raise ValueError("experimental.whole_vectors needs the flat layout (layout=)")
     # the leaves of one dimension or none: BatchNorm's scales and biases, the biases
     whole = layout.leaf_mask(lambda tree: jax.tree.map(lambda x: len(x.shape) <= 1, tree))
-  return topk_allreduce(c.density, algorithm=exchange_algorithm(config), selector=c.selector,
+  return topk_allreduce(c.density, algorithm=plan.algorithm, selector=c.selector,
                         correction=adam or correction, error_feedback=c.error_feedback,
-                        density_schedule=density_schedule, balance=config.experimental.balance,
-                        dense_level=has_dense_form(config),
+                        density_schedule=plan.density_schedule(),
+                        balance=config.experimental.balance, dense_level=plan.dense_form,
                         segments=None if layout is None else layout.segment_ids, whole=whole)
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
-                    steps_per_epoch: int | None = None) -> optax.GradientTransformation:
+                    freeze_variance_step: int = 0) -> optax.GradientTransformation:
   """The fused optimizer of the config's `optimizer` group, on the flat face of `layout`
-  (`steps_per_epoch`: for adamw's `freeze_variance_epochs`)."""
+  (`freeze_variance_step`: adamw's second moment frozen from this step, 0: never)."""
   if opt.name == "sgd":
     return optim.fused_sgd(learning_rate, momentum=opt.momentum or None, nesterov=opt.nesterov,
                            weight_decay=opt.weight_decay, weight_decay_mask=decay_mask,
@@ -182,14 +156,9 @@ def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: Fla
     return optim.fused_lamb(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                             weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
   if opt.name == "adamw":
-    freeze = None
-    if opt.get("freeze_variance_epochs", 0.0) > 0:
-      if steps_per_epoch is None:
-        raise ValueError("optimizer.freeze_variance_epochs needs steps_per_epoch")
-      freeze = max(1, round(opt.freeze_variance_epochs * steps_per_epoch))
     return optim.fused_adamw(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay, mask=decay_mask,
-                             freeze_variance_after=freeze, layout=layout)
+                             freeze_variance_after=freeze_variance_step or None, layout=layout)
   raise ValueError(f"unknown optimizer {opt.name!r}; allowed: sgd, lars, lamb, adamw")
 
 
@@ -260,36 +229,34 @@ def train_chain(compress: optax.GradientTransformation,
   return apply_if_finite_across(named_chain(compress, optimizer), WORKERS)
 
 
-def optimizer_behind_exchange(config: Any, layout: FlatLayout, *, steps_per_epoch: int,
-                              total_steps: int) -> optax.GradientTransformation:
+def optimizer_behind_exchange(config: Any, plan: Any, layout: FlatLayout
+                              ) -> optax.GradientTransformation:
   """The optimizer behind the exchange in `build_optimizer`'s chain, alone (its state is the
   chain's `optimizer` part, `chain_parts(opt_state).optimizer`), for a config without momentum
   correction: fed any gradient, it makes the update the chain would make had the exchange
   returned that gradient."""
-  if momentum_correction(config) is not None:
+  if momentum_correction(config, plan) is not None:
     raise ValueError("the optimizer behind the exchange is the optimizer alone only without "
                      "compression.momentum_correction (with it, part of it is in the exchange)")
-  learning_rate = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
-  return fused_optimizer(config.optimizer, learning_rate, layout, steps_per_epoch)
+  learning_rate = schedules.learning_rate(config.optimizer, plan)
+  return fused_optimizer(config.optimizer, learning_rate, layout, plan.freeze_variance_step)
 
 
-def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, total_steps: int
-                    ) -> optax.GradientTransformation:
-  """The whole chain a validated config describes, on the flat face of `layout`."""
-  learning_rate = schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps)
-  density = schedules.density(config.compression, steps_per_epoch)
-  correction = momentum_correction(config)
+def build_optimizer(config: Any, plan: Any, layout: FlatLayout) -> optax.GradientTransformation:
+  """The whole chain a validated config describes for its `plan` (`sparsejax.train.plan`), on
+  the flat face of `layout`."""
+  learning_rate = schedules.learning_rate(config.optimizer, plan)
+  correction = momentum_correction(config, plan)
   if correction is not None and config.optimizer.name == "adamw":
-    return _adam_corrected(config, layout, learning_rate, density)
+    return _adam_corrected(config, plan, layout, learning_rate)
   if correction is None:
-    return train_chain(compressor(config, density, layout=layout),
-                       optimizer_behind_exchange(config, layout, steps_per_epoch=steps_per_epoch,
-                                                 total_steps=total_steps))
+    return train_chain(compressor(config, plan, layout=layout),
+                       optimizer_behind_exchange(config, plan, layout))
   # DGC: momentum and Nesterov in the compressor, the weight decay (LARS: and the trust ratio)
   # in front of it, and an SGD with neither behind it.
   # With experimental.feedback_in="steps" the learning rate moves in front of it too.
   o = config.optimizer
-  exchange = compressor(config, density, correction, layout=layout)
+  exchange = compressor(config, plan, correction, layout=layout)
   behind_rate = learning_rate
   if config.experimental.feedback_in == "steps":
     exchange, behind_rate = learning_rate_first(exchange, learning_rate), 1.0
@@ -302,8 +269,8 @@ def build_optimizer(config: Any, layout: FlatLayout, *, steps_per_epoch: int, to
                       weight_decay_mask=decay_mask, layout=layout))
 
 
-def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.ScalarOrSchedule,
-                    density: Callable | None) -> optax.GradientTransformation:
+def _adam_corrected(config: Any, plan: Any, layout: FlatLayout,
+                    learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
   """AdamW with momentum correction: each worker's second moment (and with
   `adam_first_moment="before"` its first) in the compressor; behind it an SGD whose weight decay
   is AdamW's. "after": a momentum b1 on the exchanged normalised gradients at learning rate
@@ -313,38 +280,13 @@ def _adam_corrected(config: Any, layout: FlatLayout, learning_rate: optax.Scalar
   o = config.optimizer
   if config.experimental.adam_first_moment == "before":
     return train_chain(
-        compressor(config, density, adam=AdamCorrection(o.b1, o.b2, o.eps), layout=layout),
+        compressor(config, plan, adam=AdamCorrection(o.b1, o.b2, o.eps), layout=layout),
         optim.fused_sgd(learning_rate, momentum=None, nesterov=False,
                         weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
                         layout=layout))
   scaled = (lambda step: learning_rate(step) * (1 - o.b1)) if callable(learning_rate) else (
       learning_rate * (1 - o.b1))
   return train_chain(
-      compressor(config, density, adam=AdamCorrection(0.0, o.b2, o.eps), layout=layout),
+      compressor(config, plan, adam=AdamCorrection(0.0, o.b2, o.eps), layout=layout),
       optim.fused_sgd(scaled, momentum=o.b1, nesterov=False, weight_decay=o.weight_decay,
                       weight_decay_mask=decay_mask, layout=layout))
-
-
-def density_level_fn(config: Any, density_schedule: Callable | None,
-                     steps_per_epoch: int) -> Callable[[int], int | None]:
-  """`step -> level`: the compressor's density level at a step (an index into its levels),
-  chosen on the host; None when the density has no schedule or the exchange is dense. Where the
-  compressor has a dense form (`has_dense_form`) always a Python int: the dense form's
-  (`dense_level_index`) in the dense start (`compression.dense_epochs`), else the sparse
-  form's (under "auto", `sparsejax.train.auto` picks between the two after the dense start)."""
-  levels = density_levels(config.compression.density)
-  scheduled = density_schedule is not None and (
-      has_dense_form(config) or config.compression.algorithm in SPARSE_ALGORITHMS)
-  sparse = ((lambda step: level_index(levels, float(density_schedule(step)))) if scheduled
-            else (lambda step: None))
-  if not has_dense_form(config):
-    return sparse
-  dense = dense_level_index(config, density_schedule)
-  start = dense_steps(config, steps_per_epoch)
-  return lambda step: dense if step < start else (sparse(step) or 0)
-
-
-def dense_level_index(config: Any, density_schedule: Callable | None) -> int:
-  """The level index of the compressor's dense form (its number of levels), where it has one."""
-  return (len(density_levels(config.compression.density)) if density_schedule is not None
-          else 1)

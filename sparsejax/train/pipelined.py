@@ -313,18 +313,16 @@ class Pipeline:
     self._compiled[("compute", None)] = self._fn("compute").lower(*like).compile()
 
 
-def from_config(config: Any, setup: TrainSetup, state_like: TrainState, *, steps_per_epoch: int,
-                total_steps: int, compute_mesh: Mesh | None = None) -> Pipeline:
-  """The pipeline a validated config's `overlap` group describes, for a run of
-  `total_steps` (`state_like` with its `pending`)."""
+def from_config(config: Any, plan: Any, setup: TrainSetup, state_like: TrainState,
+                compute_mesh: Mesh | None = None) -> Pipeline:
+  """The pipeline a validated config's `overlap` group describes for its `plan`
+  (`state_like` with its `pending`)."""
   o = config.overlap
   optimizer = None
   if o.predict == "local":
-    optimizer = optimizer_lib.optimizer_behind_exchange(
-        config, setup.layout, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-  return Pipeline(setup, state_like, setup.density_level, total_steps, o.pipeline, compute_mesh,
-                  start=round(o.from_epochs * steps_per_epoch),
-                  predict=o.predict, optimizer=optimizer)
+    optimizer = optimizer_lib.optimizer_behind_exchange(config, plan, setup.layout)
+  return Pipeline(setup, state_like, plan.level, plan.total_steps, o.pipeline, compute_mesh,
+                  start=plan.pipeline_start, predict=o.predict, optimizer=optimizer)
 
 
 def meshes(nodes: int, local: int, placement: str) -> tuple[Mesh, Mesh | None]:

@@ -2,7 +2,7 @@
 `from_config` (what `sparsejax train` runs).
 
 A run is two things: `TrainSetup`, frozen and complete when built (the model, the mesh, the flat
-layout, the optimizer chain, the loss's settings, the host-side density level), and `TrainState`,
+layout, the optimizer chain, the loss's settings), and `TrainState`,
 the arrays that change every step. The pure steps in `sparsejax.train.step` take both.
 """
 
@@ -67,11 +67,6 @@ class TrainState(NamedTuple):
     return self.opt_state.notfinite_count
 
 
-def _no_level(step: int) -> None:
-  del step
-  return None
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainSetup:
   """What the steps need besides the state; complete when built, never changed.
@@ -81,8 +76,6 @@ class TrainSetup:
   tx: the whole chain (`optimizer.train_chain`), on the flat face of `layout`.
   num_classes, label_smoothing: for the loss. seed: dropout keys (folded with step and worker).
   learning_rate: the schedule, only to report each step's rate (optional).
-  density_level: `step -> level | None`, the compressor's density level chosen on the host
-    (one compiled step per level).
   """
 
   model: nn.Module
@@ -93,7 +86,6 @@ class TrainSetup:
   label_smoothing: float = 0.0
   seed: int = 0
   learning_rate: Callable | None = None
-  density_level: Callable[[int], int | None] = _no_level
 
 
 # ----------------------------------------------------------------------------- placement
@@ -205,17 +197,14 @@ def build_model(config: Any, num_classes: int) -> nn.Module:
   return models.build(m.name, num_classes=num_classes, dtype=m.dtype, **extra)
 
 
-def from_config(config: Any, mesh: Mesh, num_classes: int, example: Any, *,
-                steps_per_epoch: int, total_steps: int) -> tuple[TrainSetup, TrainState]:
-  """The setup and fresh state a validated config describes: model, whole optimizer chain
-  (`optimizer.build_optimizer`), schedules."""
+def from_config(config: Any, plan: Any, mesh: Mesh, num_classes: int, example: Any
+                ) -> tuple[TrainSetup, TrainState]:
+  """The setup and fresh state a validated config describes for its `plan`
+  (`sparsejax.train.plan`): model, whole optimizer chain (`optimizer.build_optimizer`)."""
   def make_tx(layout: FlatLayout) -> optax.GradientTransformation:
-    return optimizer_lib.build_optimizer(config, layout, steps_per_epoch=steps_per_epoch,
-                                         total_steps=total_steps)
+    return optimizer_lib.build_optimizer(config, plan, layout)
 
-  density = schedules.density(config.compression, steps_per_epoch)
   return create_train_state(
       build_model(config, num_classes), mesh, example, make_tx, seed=config.seed,
       num_classes=num_classes, label_smoothing=config.label_smoothing,
-      learning_rate=schedules.learning_rate(config.optimizer, steps_per_epoch, total_steps),
-      density_level=optimizer_lib.density_level_fn(config, density, steps_per_epoch))
+      learning_rate=schedules.learning_rate(config.optimizer, plan))

@@ -15,7 +15,7 @@ system; against DDP no later where R >= 1, at least 1.5x sooner where R >= 2, an
 no later than DDP's time x the parity; auto's exposed exchange per step (its mean step to the
 target minus the JAX compute-only step) no more than DDP's (its swept step minus PyTorch's).
 
-  python studies/auto/end_to_end.py --config configs/tta_pydocs_lm.py --system auto-0.05 \\
+  python -m studies.auto.end_to_end --config configs/tta_pydocs_lm.py --system auto-0.05 \\
     --fixed dense,hitopk-0.05 \\
     --reference studies/time_to_accuracy/results/time_to_accuracy_pydocs.json \\
     --bandwidths unlimited,50mbit --seeds 3 --out studies/auto/results/auto_end_to_end_pydocs.json
@@ -34,11 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import (  # noqa: E402
+from sparsejax.bench import (
   command_line,
   footer,
   json_path,
@@ -47,10 +43,12 @@ from sparsejax.bench import (  # noqa: E402
   spread,
   write_results,
 )
-from studies.time_to_accuracy import analysis as tta_analysis  # noqa: E402
-from studies.time_to_accuracy import systems as tta_systems  # noqa: E402
+from studies.time_to_accuracy import analysis as tta_analysis
+from studies.time_to_accuracy import systems as tta_systems
 
-STUDY = os.path.join(ROOT, "studies", "time_to_accuracy", "run.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STUDY = "studies.time_to_accuracy.run"  # run as a module, from the checkout's root
 
 
 def train_at(config: str, systems: list[str], bandwidth: str, seeds: int, sets: list[str],
@@ -60,7 +58,7 @@ def train_at(config: str, systems: list[str], bandwidth: str, seeds: int, sets: 
   and auto's forms)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "run.json")
-    cmd = [sys.executable, STUDY, "--config", config, "--systems", ",".join(systems),
+    cmd = [sys.executable, "-m", STUDY, "--config", config, "--systems", ",".join(systems),
            "--phases", "runs",
            "--seeds", str(seeds), "--bandwidths", bandwidth, "--headline", bandwidth,
            "--stop-at-target", "--out", out] + [a for s in sets for a in ("--set", s)]

@@ -1,6 +1,6 @@
 """Convergence under compression on real data: dense vs HiTopKComm and TopK all-gather.
 
-  python studies/convergence/run.py [--quick] [--tasks fashion_mnist,kjv] [--seeds 3]
+  python -m studies.convergence.run [--quick] [--tasks fashion_mnist,kjv] [--seeds 3]
                                     [--variants dense,hitopk-0.001,...] [--epochs 1]
                                     [--collect] [--workdir DIR]
                                     [--out studies/convergence/results/convergence.json]
@@ -54,8 +54,6 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python studies/convergence/run.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 

@@ -2,7 +2,7 @@
 in each window of steps, and its share of the coordinates sent per step against its share of the
 model.
 
-  python studies/coverage/run.py [--config configs/tta_kjv_lm.py] [--set key=value ...]
+  python -m studies.coverage.run [--config configs/tta_kjv_lm.py] [--set key=value ...]
       [--window 100] [--steps N] [--out studies/coverage/results/coverage.json]
 
 Runs the task's trainer (`sparsejax train`'s step, every density level compiled) in one process
@@ -26,12 +26,7 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if not __package__:
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import (  # noqa: E402
+from sparsejax.bench import (
   command_line,
   footer,
   json_path,
@@ -39,6 +34,9 @@ from sparsejax.bench import (  # noqa: E402
   spread,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def leaf_names(layout, tree_like) -> list[str]:
@@ -55,11 +53,11 @@ def trace(config, steps: int | None, window: int
   window of `window` steps) over the first `steps` steps of the recipe (default all)."""
   import jax
 
-  from studies.time_to_accuracy.jax_runner import JaxRun
-  run = JaxRun(config, (config.mesh.nodes, config.mesh.local))
+  from sparsejax.train import Run
+  run = Run(config)
   layout = run.setup.layout
   names = leaf_names(layout, layout.shape_tree())
-  total = run.total if steps is None else min(steps, run.total)
+  total = run.plan.total_steps if steps is None else min(steps, run.plan.total_steps)
   per_step, windows = [], []
   ever = np.zeros(layout.padded_size, bool)
   for step in range(total):

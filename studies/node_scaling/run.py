@@ -2,7 +2,7 @@
 fitted to benchmarks/scale.py's measurements, checked on node counts it did not see,
 then projected to GPU clusters.
 
-  python studies/node_scaling/run.py [--scale benchmarks/results/bench_scale.json]
+  python -m studies.node_scaling.run [--scale benchmarks/results/bench_scale.json]
       [--merge benchmarks/results/bench_merge.json] [--fit-nodes 2,3,4,8]
       [--out studies/node_scaling/results/node_scaling.json]
 
@@ -47,13 +47,11 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python studies/node_scaling/run.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from sparsejax import cost
+from sparsejax.bench import command_line, json_path, portable_path, spread, write_results
+from studies.scaling_model.run import GPU_SOURCES, GPUS, SOURCES, gpu_cluster
 
-from sparsejax import cost  # noqa: E402
-from sparsejax.bench import command_line, json_path, portable_path, spread, write_results  # noqa: E402
-from studies.scaling_model.run import GPU_SOURCES, GPUS, SOURCES, gpu_cluster  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 MEASURED = ("allgather", "gtopk", "dense")
 PROJECTED = ("dense", "hierarchical", "hitopk", "higtopk")

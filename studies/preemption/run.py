@@ -1,10 +1,10 @@
 """A run that loses a node a third of the way through its recipe, against the same run untouched:
 does it reach the same target accuracy, and what does the loss cost?
 
-  python studies/preemption/run.py [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
+  python -m studies.preemption.run [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
       [--nodes 4] [--at 0.33] [--runs 3] [--rate 1gbit] [--lock FILE]
       [--out studies/preemption/results/preemption.json]                           (needs root)
-  python studies/preemption/run.py --quick     (a smoke run: digits, 3 nodes, 1 run)
+  python -m studies.preemption.run --quick     (a smoke run: digits, 3 nodes, 1 run)
 
 Each run is `sparsejax launch --nodes N-1:N` (elastic: `cluster.launch(min_nodes=N-1)`) of
 `sparsejax train` on an emulated cluster of N nodes, one process each, with periodic
@@ -37,12 +37,7 @@ import time
 import uuid
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if not __package__:  # run as `python studies/preemption/run.py`: import from this checkout
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import (  # noqa: E402  # noqa: E402
+from sparsejax.bench import (
   RUN_TOKEN,
   TimedLog,
   command_line,
@@ -52,6 +47,9 @@ from sparsejax.bench import (  # noqa: E402  # noqa: E402
   spread,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 DEFAULT_SETS = ["batch_size=240", "checkpoint_every_steps=24", "log_every_steps=6",
                 "eval_every_steps=12"]

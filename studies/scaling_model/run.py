@@ -1,7 +1,7 @@
 """An alpha-beta communication model plus a compute model: checked on the emulated cluster, then
 projected to the paper's cluster (1..16 nodes x 8 V100, 25 Gbit/s Ethernet).
 
-  python studies/scaling_model/run.py [--comm benchmarks/results/bench_comm.json]
+  python -m studies.scaling_model.run [--comm benchmarks/results/bench_comm.json]
                                       [--out studies/scaling_model/results/scaling_model.json]
 
 The model (one training iteration = compute + the gradient exchange, nothing overlapped unless
@@ -54,18 +54,16 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if not __package__:  # run as `python studies/scaling_model/run.py`: import from this checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from sparsejax import cost  # noqa: E402
-from sparsejax.bench import (  # noqa: E402
+from sparsejax import cost
+from sparsejax.bench import (
   command_line,
   json_path,
   portable_path,
   resolve,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 RESNET50 = 25_557_032
 PAIR_BYTES, VALUE_BYTES = cost.PAIR_BYTES, cost.VALUE_BYTES

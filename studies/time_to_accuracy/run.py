@@ -1,7 +1,7 @@
 """Time to accuracy on an emulated, link-bound cloud cluster: sparsejax's exchanges and PyTorch DDP
 train the same model on the same data with the same recipe to the same target test accuracy.
 
-  python studies/time_to_accuracy/run.py [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
+  python -m studies.time_to_accuracy.run [--config configs/tta_fmnist_mlp.py] [--set key=value ...]
       [--systems dense,hierarchical,allgather-0.01,...] [--bandwidths unlimited,2gbit,...]
       [--headline 1gbit] [--seeds 3] [--phases parity,runs] [--quick]
       [--out studies/time_to_accuracy/results/time_to_accuracy.json]
@@ -12,11 +12,11 @@ keys; each system only changes `compression.*` (a system name may add its own ov
 "hitopk-0.01+experimental.balance=tensor"). Tasks: configs/tta_fmnist_mlp.py (an MLP, SGD) and
 configs/tta_kjv_lm.py (a Transformer LM, AdamW). This file is the driver and the cluster's
 workers; the systems and the task are systems.py beside it, the analysis, tables and plot
-analysis.py (also `--from-results`), and the runners are modules of their own: sparsejax's
-(jax_runner.py) runs the trainer's compiled steps; the PyTorch peer (torch_peer.py) builds the
-same model (`mlp` or `transformer_lm`, the same initialisation), reads the same batches of the same
-data (sparsejax's inputs for each step), and uses the same learning-rate schedule, optimizer and
-weight decay (kernels only).
+analysis.py (also `--from-results`). sparsejax's side is the trainer itself
+(`sparsejax.train.Run`, every step compiled before the clock); the PyTorch peer
+(torch_peer.py) builds the same model (`mlp` or `transformer_lm`, the same initialisation),
+reads the same batches of the same data (sparsejax's inputs for each step), and uses the same
+learning-rate schedule, optimizer and weight decay (kernels only).
 
 The cluster (link-bound by design): the task's `mesh.nodes` nodes (2 in the committed configs;
 `--set mesh.nodes=8` for 8, up to 200, the global batch divisible by nodes x `mesh.local`)
@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import platform
 import signal
@@ -64,25 +63,21 @@ import time
 import uuid
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if not __package__:  # run as `python studies/time_to_accuracy/run.py`: import from this checkout
-  sys.path.insert(0, ROOT)
-
-from sparsejax.bench import (  # noqa: E402  # noqa: E402
+from sparsejax.bench import (
+  ROOT,
   command_line,
   exclusive,
   json_path,
-  launch_workers,  # noqa: E402
+  launch_workers,
   pin_to_core,
   pinning,
   portable_path,
   wait_all,
   write_results,
 )
-from studies.time_to_accuracy.analysis import report, steps_to_target  # noqa: E402
-from studies.time_to_accuracy.jax_runner import JaxRun  # noqa: E402 (sparsejax's runner)
-from studies.time_to_accuracy.systems import (  # noqa: E402
+from sparsejax.train import Run
+from studies.time_to_accuracy.analysis import report, steps_to_target
+from studies.time_to_accuracy.systems import (
   DEFAULT_BANDWIDTHS,
   PEERS_INSTALL,
   QUICK_SETS,
@@ -97,7 +92,10 @@ from studies.time_to_accuracy.systems import (  # noqa: E402
   size_per_step,
   system_spec,
 )
-from studies.time_to_accuracy.torch_peer import TorchRun  # noqa: E402 (the peer's runner)
+from studies.time_to_accuracy.torch_peer import TorchRun  # the peer's runner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODULE = "studies.time_to_accuracy.run"
 
 # the parity phase's steps: warm-up, then at least this many timed (each process)
 PARITY_WARMUP, PARITY_REPS = 3, 10
@@ -126,7 +124,8 @@ def _worker_setup(args):
     # the other (the gloo collective blocks its thread). Every thread is pinned: the pool's
     # threads share the node's one core.
     pin_to_core(rank)
-    run: Any = JaxRun(config, (config.mesh.nodes, config.mesh.local))
+    run: Any = Run(config)
+    run.compile()  # before the clock (PyTorch has nothing to compile)
   else:
     pin_to_core(rank)
     import torch.distributed as dist
@@ -137,7 +136,7 @@ def _worker_setup(args):
 
 
 def _barrier(run) -> None:
-  if isinstance(run, JaxRun):
+  if isinstance(run, Run):
     _barrier_jax("tta")
   else:
     run.dist.barrier()
@@ -151,14 +150,14 @@ def _link_bytes() -> int:
 def run_worker(args) -> None:
   """One process run of one system: the train phase, then the sweep, in the same processes."""
   config, run, rank, lead = _worker_setup(args)
-  row = {"system": args.system, "seed": args.seed, "total_steps": run.total,
-         "steps_per_epoch": run.data.steps_per_epoch,
+  row = {"system": args.system, "seed": args.seed, "total_steps": run.plan.total_steps,
+         "steps_per_epoch": run.plan.steps_per_epoch,
          "curve": train_phase(config, run, args, lead)}
   auto = getattr(run, "auto", None)
   if auto is not None:  # measuring, its forms follow the link: no step time per level to sweep
     row["exchange_choices"] = auto.history
   from sparsejax.train.auto import measuring
-  measuring = auto is not None and measuring(config)
+  measuring = auto is not None and measuring(run.plan)
   row["sweep"] = [] if measuring else sweep_phase(args, run, lead, config.mesh.nodes)
   if lead:
     with open(args.worker_out, "w") as f:
@@ -170,19 +169,17 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
   `--link-change RATE@FRACTION` the link changes (lead process, between two barriers, the
   clock stopped) before the step at that fraction of the recipe; with `--stop-at-target` the
   run ends at the first evaluation that reaches the target."""
-  from sparsejax.train import schedules
   from sparsejax.train.config import target_reached
-  every = config.eval_every_steps or run.total
-  stage_ends = set(schedules.stage_starts(config.data.resize_schedule, config.num_epochs,
-                                          run.data.steps_per_epoch)
-                   if config.eval_at_stage_boundaries else ())
+  total = run.plan.total_steps
+  every = config.eval_every_steps or total
+  stage_ends = set(run.plan.stage_ends)
   change = json.loads(args.link_change) if args and args.link_change else None
   curve, train_s = [], 0.0
   aside = getattr(run, "aside", contextlib.nullcontext)  # what auto leaves out of its steps
   _barrier(run)
   sent0 = _link_bytes()
   seg = time.perf_counter()
-  for step in range(run.total):
+  for step in range(total):
     if change is not None and step == change["step"]:
       with aside():
         run.wait()
@@ -191,7 +188,7 @@ def train_phase(config, run, args=None, lead: bool = False) -> list[dict]:
       seg = time.perf_counter()
     run.step(step)
     done = step + 1
-    if done % every == 0 or done == run.total or done in stage_ends:
+    if done % every == 0 or done == total or done in stage_ends:
       with aside():  # (off auto's clock too)
         run.wait()
         train_s += time.perf_counter() - seg
@@ -228,14 +225,14 @@ def sweep_phase(args, run, lead: bool, nodes: int) -> list[dict]:
     if name == "headline":
       break
     for density, at_step, *size in levels:
-      if isinstance(run, JaxRun):
+      if isinstance(run, Run):
         run.set_step(at_step)
       times, sent0 = [], _link_bytes()
       for i in range(args.warmup + args.reps):
         if i == args.warmup:
           sent0 = _link_bytes()
         t0 = time.perf_counter()
-        run.step(at_step + i, level_step=at_step)  # the level stays the one being timed
+        run.step_at(at_step + i, at_step)  # the level stays the one being timed
         run.wait()
         if i >= args.warmup:
           times.append(time.perf_counter() - t0)
@@ -243,10 +240,45 @@ def sweep_phase(args, run, lead: bool, nodes: int) -> list[dict]:
                    "density": density, **({"size": size[0]} if size else {}),
                    "step_s": statistics.median(times),
                    "node0_link_bytes_per_step": (_link_bytes() - sent0) / args.reps})
-      if getattr(run, "pipe", None) is not None:  # the pipelined step's halves and timeline
-        rows[-1].update(run.pipeline_phases(at_step + args.warmup + args.reps, at_step,
-                                            args.reps))
+      if getattr(run, "pipeline", None) is not None:  # the pipelined step's halves, timeline
+        rows[-1].update(pipeline_phases(run, at_step + args.warmup + args.reps, at_step,
+                                        args.reps))
   return rows
+
+
+def pipeline_phases(run, step: int, level_step: int, reps: int) -> dict[str, float]:
+  """The pipelined step's halves at the level of `level_step`, each alone (the gradient, then
+  the exchange and update: medians of `reps`, seconds), and a timeline of `reps` steady steps
+  with both dispatched together: when each half ends, seen by a thread waiting on it (medians,
+  seconds from the dispatch). `run`: a `sparsejax.train.Run` with a pipeline."""
+  import threading
+
+  import jax
+  pipe, level = run.pipeline, run.plan.level(min(level_step, run.plan.total_steps - 1))
+  alone: dict[str, list[float]] = {"compute_s": [], "exchange_s": []}
+  ends: dict[str, list[float]] = {"compute_end_s": [], "exchange_end_s": []}
+  for i in range(reps):
+    batch = run.batch(step + i)
+    t0 = time.perf_counter()
+    pending = jax.block_until_ready(pipe.gradient(run.state, batch))
+    alone["compute_s"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    run.state = jax.block_until_ready(pipe.apply(run.state, level)[0])._replace(pending=pending)
+    alone["exchange_s"].append(time.perf_counter() - t0)
+  for i in range(reps):
+    batch = run.batch(step + reps + i)
+    t0 = time.perf_counter()
+    pending = pipe.gradient(run.state, batch)
+    state, _ = pipe.apply(run.state, level)
+    waiters = [threading.Thread(target=lambda k=k, x=x, t0=t0: (
+        jax.block_until_ready(x), ends[k].append(time.perf_counter() - t0)))
+        for k, x in (("compute_end_s", pending), ("exchange_end_s", state))]
+    for w in waiters:
+      w.start()
+    for w in waiters:
+      w.join()
+    run.state = state._replace(pending=pending)
+  return {k: statistics.median(v) for k, v in {**alone, **ends}.items()}
 
 
 def parity_worker(args) -> None:
@@ -266,13 +298,15 @@ def parity_worker(args) -> None:
     jax.config.update("jax_num_cpu_devices", config.mesh.local)
     jax.devices()
     pin_to_core(node)
-    run: Any = JaxRun(config, (1, config.mesh.local))
+    run: Any = Run(config)
+    run.compile()
+    sizes = [run.plan.image_size(s) for s in range(run.plan.total_steps)]
   else:
     pin_to_core(node)
     run = TorchRun(config, 0, 1, False, distributed=False)
+    sizes = run.sizes
   # each image size of the recipe (progressive resizing) from its first step: the step's
   # median there, and over the recipe the mean weighted by the steps each size trains
-  sizes = run.sizes
   starts = {size: sizes.index(size) for size in dict.fromkeys(sizes)}
   by_size = {}
   for n, (size, start) in enumerate(starts.items()):
@@ -325,7 +359,7 @@ def _launch(c, mode: str, system: str, args, extra: list[str], log) -> list[dict
   # a pipelined exchange on two devices per worker ("device") needs twice the devices
   local = task.mesh.local * (2 if task.overlap.pipeline == "device" else 1)
   with exclusive(args.lock):
-    return launch_workers(c, __file__, argv, mode=mode, procs_per_node=1,
+    return launch_workers(c, MODULE, argv, mode=mode, procs_per_node=1,
                           devices_per_proc=local if runtime == "jax" else 1, log=log,
                           what=f"{mode} {system}", torch=runtime == "torch")
 
@@ -372,7 +406,7 @@ def run_parity(args, log, nodes: int) -> list[dict]:
     for runtime in ("jax", "torch"):
       with tempfile.TemporaryDirectory() as d, exclusive(args.lock):
         procs = [subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--mode", "parity", "--system", runtime,
+            [sys.executable, "-m", MODULE, "--mode", "parity", "--system", runtime,
              "--config", args.config, "--sets", json.dumps(args.sets),
              "--worker-out", os.path.join(d, f"node{node}.json"), "--parity-dir", d,
              "--parity-node", str(node), "--reps", str(args.reps)],
@@ -533,7 +567,7 @@ def drive(ap, args) -> int:
       merged = merge_results(parts, args.from_results)
       if args.target is not None:
         merged = at_target(merged, args.target, command_line(
-            "studies/time_to_accuracy/run.py", sys.argv[1:]))
+            MODULE, sys.argv[1:]))
       report(merged, args.out)
     except ValueError as e:
       ap.error(str(e))
@@ -579,9 +613,10 @@ def drive(ap, args) -> int:
              f"got {config.target_metric!r}")
   from sparsejax import cluster
   from sparsejax import data as data_lib
+  from sparsejax.train import make_plan
   inputs = data_lib.open_inputs(config)
   steps_per_epoch = inputs.steps_per_epoch
-  total = max(1, math.ceil(config.num_epochs * steps_per_epoch))
+  total = make_plan(config, steps_per_epoch).total_steps
   results: dict[str, Any] = {"systems": systems, "meta": {
       "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
       "target_metric": config.target_metric,
@@ -592,7 +627,7 @@ def drive(ap, args) -> int:
       "date": time.strftime("%Y-%m-%d"), "nodes": nodes, "local": config.mesh.local,
       "batch_size": config.batch_size, "total_steps": total,
       "parameters": model_size(config, inputs),
-      "command": command_line("studies/time_to_accuracy/run.py", args.argv)}}
+      "command": command_line(MODULE, args.argv)}}
   sizes = size_per_step(config, steps_per_epoch, total)
   if any(sizes):  # progressive resizing: the recipe's steps at each size (weights the sweep)
     results["meta"]["size_steps"] = {str(s): sizes.count(s) for s in dict.fromkeys(sizes)}

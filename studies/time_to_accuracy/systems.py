@@ -222,34 +222,23 @@ def model_size(config, inputs=None) -> int:
 
 
 def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
-  """The density level each step runs at (1.0 for the dense exchanges and for PyTorch)."""
-  from sparsejax import comm
-  from sparsejax.compress import density_levels, level_index
-  from sparsejax.train import schedules
-  from sparsejax.train.auto import measuring, scheduled, step_schedule
-  from sparsejax.train.optimizer import has_dense_form
-  c = config.compression
-  # the forms fixed by step: a dense start, or "auto" on a fixed schedule
-  fixed = has_dense_form(config) and not measuring(config)
-  if c.algorithm not in comm.SPARSE_ALGORITHMS and not fixed:
+  """The density each step runs at (1.0 for the dense exchanges, the dense form and PyTorch),
+  from the run's plan; `total` steps."""
+  from sparsejax.train import make_plan
+  from sparsejax.train.auto import measuring
+  plan = make_plan(config, steps_per_epoch)
+  fixed = plan.dense_form and not measuring(plan)  # the forms fixed by step
+  if not plan.sparse or (config.compression.algorithm == "auto" and not fixed):
     return np.ones(total)
-  schedule = schedules.density(c, steps_per_epoch)
-  if schedule is None:
-    dens = np.full(total, c.density)
-  else:
-    levels = density_levels(c.density)  # rounded up as the trainer does (compress.level_index)
-    dens = np.asarray([levels[level_index(levels, float(schedule(s)))] for s in range(total)])
-  if fixed:  # the dense form's steps send everything
-    forms = step_schedule(config, steps_per_epoch)
-    dens = np.where([scheduled(forms, s) == "dense" for s in range(total)], 1.0, dens)
-  return dens
+  levels = plan.levels + (1.0,)  # the dense form: everything sent
+  return np.asarray([levels[plan.level(s)] for s in range(total)])
 
 
 def size_per_step(config, steps_per_epoch: int, total: int) -> list[int | None]:
   """The image size each step trains at (progressive resizing; None without a schedule)."""
-  from sparsejax.train import schedules
-  return [schedules.image_size(config.data.resize_schedule, s / steps_per_epoch)
-          for s in range(total)]
+  from sparsejax.train import make_plan
+  plan = make_plan(config, steps_per_epoch)
+  return [plan.image_size(s) for s in range(total)]
 
 
 def level_steps(config, steps_per_epoch: int, total: int) -> list[list[Any]]:

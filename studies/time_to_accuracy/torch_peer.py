@@ -265,7 +265,7 @@ class TorchRun:
     import torch.distributed as dist
 
     from sparsejax import data as data_lib
-    from sparsejax.train import schedules
+    from sparsejax.train import make_plan, schedules
     torch.set_num_threads(1)
     torch.manual_seed(config.seed)
     self.torch, self.rank, self.world = torch, rank, world
@@ -273,9 +273,9 @@ class TorchRun:
     self.sequence = config.model.name == "transformer_lm"
     self.flat = config.model.name == "mlp"
     self.label_smoothing = config.label_smoothing
-    self.total = max(1, math.ceil(config.num_epochs * self.data.steps_per_epoch))
-    self.sizes = [schedules.image_size(config.data.resize_schedule,
-                                       s / self.data.steps_per_epoch) for s in range(self.total)]
+    plan = make_plan(config, self.data.steps_per_epoch)  # (the sparsejax run's, step for step)
+    self.plan, self.total = plan, plan.total_steps
+    self.sizes = [plan.image_size(s) for s in range(self.total)]
     self.size = self.sizes[0]  # the last step's (evaluated at it)
     model = build_model(config, self.data)
     if distributed:
@@ -287,7 +287,7 @@ class TorchRun:
         model.register_comm_hook(state, ps.powerSGD_hook)
     self.model, self.dist = model, dist
     self.opt = build_optimizer(torch, model, config.optimizer)
-    lr = schedules.learning_rate(config.optimizer, self.data.steps_per_epoch, self.total)
+    lr = schedules.learning_rate(config.optimizer, plan)
     self.lrs = [float(lr(s)) for s in range(self.total)]
 
   def _inputs(self, x: np.ndarray):
@@ -318,6 +318,10 @@ class TorchRun:
     loss.backward()
     self.opt.step()
     return loss.item()
+
+  def step_at(self, step: int, at: int) -> float:
+    """Batch `step` at the image size of step `at` (the sweep's step, as `Run.step_at`)."""
+    return self.step(step, level_step=at)
 
   def wait(self) -> None:
     pass  # every PyTorch step is synchronous on the CPU

@@ -1,7 +1,7 @@
 """What one exchange applies at P workers: the coordinates and the share of the global gradient,
 for TopK all-gather and gTop-k, on the task's real per-worker gradients.
 
-  python studies/worker_scaling/applied.py --config configs/tta_fmnist_mlp.py \\
+  python -m studies.worker_scaling.applied --config configs/tta_fmnist_mlp.py \\
       --workers 2,4,8,16 --density 0.01 --at 0,48,144 \\
       --out studies/worker_scaling/results/applied_fmnist.json
 
@@ -29,8 +29,6 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={MAX
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as `python studies/worker_scaling/applied.py`: this checkout
-  sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -84,14 +82,14 @@ def measure(config_path: str, sets: list[str], workers: int, density: float,
   from jax.sharding import PartitionSpec as P
 
   from sparsejax import comm
+  from sparsejax.train import Run
   from sparsejax.train import config as config_lib
   from sparsejax.train import step as step_lib
   from sparsejax.train.mesh import WORKERS
-  from studies.time_to_accuracy.jax_runner import JaxRun
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), [
       *sets, f"mesh.nodes={workers}", "mesh.local=1", f"mesh.num_devices={workers}",
       "compression.algorithm=dense", "checkpoint_every_steps=0"])
-  run = JaxRun(config_lib.validate(tree), (workers, 1))
+  run = Run(config_lib.validate(tree))
   setup, mesh = run.setup, run.setup.mesh
   n = setup.layout.padded_size  # (the flat buffer: its gaps between leaves stay 0)
   k = max(1, round(density * setup.layout.size))
@@ -113,7 +111,8 @@ def measure(config_path: str, sets: list[str], workers: int, density: float,
   rows, done = [], 0
   for target in sorted(at):
     while done < target:
-      run.step(done, wait=True)
+      run.step(done)
+      run.wait()
       done += 1
     inputs, labels = run.batch(done)
     grads, positions = fn(run.state.params, run.state.batch_stats, inputs, labels,

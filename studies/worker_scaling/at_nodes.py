@@ -2,7 +2,7 @@
 step at P nodes (the local work measured here, the network from `sparsejax.cost` as calibrated
 on the emulated cluster of up to 16 nodes, studies/node_scaling).
 
-  python studies/worker_scaling/at_nodes.py \\
+  python -m studies.worker_scaling.at_nodes \\
       --results studies/worker_scaling/results/worker_scaling_fmnist.json --nodes 16 \\
       --bandwidths unlimited,10gbit,1gbit,100mbit --runs 3 \\
       --out studies/worker_scaling/results/at_nodes_fmnist.json
@@ -29,35 +29,33 @@ least time to the target.
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import json
+import math
 import os
+import platform
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as `python studies/worker_scaling/at_nodes.py`: this checkout
-  sys.path.insert(0, ROOT)
-
-import argparse  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from sparsejax import cost  # noqa: E402
-from sparsejax.bench import (  # noqa: E402
+from sparsejax import cost
+from sparsejax.bench import (
   command_line,
   footer,
   json_path,
   portable_path,
+  python_module,
   resolve,
   spread,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 CALIBRATION = os.path.join("studies", "node_scaling", "results", "node_scaling.json")
 REPS = 20
@@ -113,15 +111,15 @@ def measure_local(config_path: str, sets: list[str], nodes: int, n: int,
   import numpy as np
 
   from sparsejax import topk
+  from sparsejax.train import Run
   from sparsejax.train import config as config_lib
-  from studies.time_to_accuracy.jax_runner import JaxRun
   base = config_lib.validate(config_lib.apply_overrides(config_lib.load_config(config_path),
                                                         list(sets)))
   batch = max(1, base.batch_size // nodes)
   config = config_lib.validate(config_lib.apply_overrides(base, [
       "mesh.nodes=1", "mesh.local=1", "mesh.num_devices=1", f"batch_size={batch}",
       "compression.algorithm=dense", "checkpoint_every_steps=0"]))
-  run = JaxRun(config, (1, 1))
+  run = Run(config)
 
   def fewest(fn) -> float:
     for _ in range(3):
@@ -134,8 +132,12 @@ def measure_local(config_path: str, sets: list[str], nodes: int, n: int,
     return min(times)
 
   step = itertools.count()
-  out = {"batch": batch, "dense_s": fewest(lambda: run.step(next(step) % run.total, wait=True)),
-         "sparse_s": {}}
+
+  def dense_step() -> None:
+    run.step(next(step) % run.plan.total_steps)
+    run.wait()
+
+  out = {"batch": batch, "dense_s": fewest(dense_step), "sparse_s": {}}
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal(n).astype(np.float32))
   r = jnp.asarray(0.1 * rng.standard_normal(n).astype(np.float32))
@@ -160,7 +162,7 @@ def measure_runs(args, nodes: int, n: int, sparse: list[tuple[str, int]]) -> lis
   for _ in range(args.runs):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "local.json")
-      cmd = [sys.executable, os.path.abspath(__file__), "--measure-child", out,
+      cmd = [*python_module(__file__), "--measure-child", out,
              "--config", args.config, "--nodes", str(nodes), "--parameters", str(n),
              "--sparse", ",".join(f"{a}:{k}" for a, k in sparse),
              *(f"--set={s}" for s in args.sets)]

@@ -3,7 +3,7 @@ exchange modelled on published GPU-cluster figures, `studies/node_scaling`) time
 term, each system's steps to the target over dense's as a function of the node count, fitted to
 this study's runs.
 
-  python studies/worker_scaling/projected.py \\
+  python -m studies.worker_scaling.projected \\
       --scaling studies/worker_scaling/results/worker_scaling_fmnist.json \\
       --out studies/worker_scaling/results/projected_fmnist.json
 
@@ -23,23 +23,17 @@ all-reduce, whose term is 1): f_X(P) x step_X / step_dense. Picked: the least of
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import os
+import platform
+import statistics
 import sys
+import time
+from typing import Any, NamedTuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as `python studies/worker_scaling/projected.py`: this checkout
-  sys.path.insert(0, ROOT)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
-
-from sparsejax.bench import (  # noqa: E402
+from sparsejax.bench import (
   command_line,
   footer,
   json_path,
@@ -47,6 +41,9 @@ from sparsejax.bench import (  # noqa: E402
   resolve,
   write_results,
 )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 PROJECTION = os.path.join("studies", "node_scaling", "results", "node_scaling.json")
 # the projection's algorithm -> the convergence runs' kind of system that stands for it

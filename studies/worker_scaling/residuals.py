@@ -1,7 +1,7 @@
 """What error feedback holds back at P workers: each exchange's residuals along a training run,
 for TopK all-gather and gTop-k, on the task's real per-worker gradients.
 
-  python studies/worker_scaling/residuals.py --config configs/tta_fmnist_mlp.py \\
+  python -m studies.worker_scaling.residuals --config configs/tta_fmnist_mlp.py \\
       --workers 2,4,8,16 --density 0.01 --steps 144 --every 12 \\
       --out studies/worker_scaling/results/residuals_fmnist.json
 
@@ -43,8 +43,6 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={MAX
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as `python studies/worker_scaling/residuals.py`: this checkout
-  sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -136,15 +134,15 @@ def measure(config_path: str, sets: list[str], workers: int, density: float, ste
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
 
+  from sparsejax.train import Run
   from sparsejax.train import config as config_lib
   from sparsejax.train import step as step_lib
   from sparsejax.train.mesh import WORKERS
-  from studies.time_to_accuracy.jax_runner import JaxRun
   tree = config_lib.apply_overrides(config_lib.load_config(config_path), [
       *sets, f"mesh.nodes={workers}", "mesh.local=1", f"mesh.num_devices={workers}",
       "compression.algorithm=dense", "checkpoint_every_steps=0"])
   config = config_lib.validate(tree)
-  run = JaxRun(config, (workers, 1))
+  run = Run(config)
   setup, mesh = run.setup, run.setup.mesh
   n = setup.layout.padded_size
   k = max(1, round(density * setup.layout.size))
@@ -183,7 +181,8 @@ def measure(config_path: str, sets: list[str], workers: int, density: float, ste
                      jnp.int32(done), memory)
     for name, values in jax.device_get(out).items():
       series[name].append(dict(zip(METRICS, (float(v) for v in values))))
-    run.step(done, wait=True)
+    run.step(done)
+    run.wait()
   return [{"workers": workers, "system": name, "k": ks[name], **row}
           for name in systems for row in window_means(series[name], every)]
 

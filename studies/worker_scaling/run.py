@@ -1,7 +1,7 @@
 """Convergence against the worker count: steps to the target and the final metric of dense, TopK
 all-gather and gTop-k at 2, 4, 8 and 16 workers.
 
-  python studies/worker_scaling/run.py --config configs/tta_fmnist_mlp.py --workers 2,4,8,16 \\
+  python -m studies.worker_scaling.run --config configs/tta_fmnist_mlp.py --workers 2,4,8,16 \\
       --systems dense,allgather-0.01-mc,gtopk-0.01-mc,gtopk-0.01-mc-bytes --seeds 3 \\
       --out studies/worker_scaling/results/worker_scaling_fmnist.json
 
@@ -39,8 +39,6 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={MAX
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-if ROOT not in sys.path:  # run as `python studies/worker_scaling/run.py`: import this checkout
-  sys.path.insert(0, ROOT)
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
@@ -137,31 +135,27 @@ def run_config(config_path: str, sets: list[str], name: str, workers: int, seed:
     if steps_per_epoch < 1:
       raise ValueError(f"system {name!r}: -dw needs the task's steps per epoch, got "
                        f"{steps_per_epoch}")
-    steps = dense_warmup_steps(system.algorithm, config.compression, workers, n,
-                               steps_per_epoch)
+    steps = dense_warmup_steps(system.algorithm, config, workers, n, steps_per_epoch)
     tree["compression"]["dense_epochs"] = steps / steps_per_epoch
     config = config_lib.validate(tree)
   return config
 
 
-def dense_warmup_steps(algorithm: str, comp, workers: int, n: int, steps_per_epoch: int) -> int:
-  """The first steps of the DGC warm-up during which its density level (as the trainer rounds
-  it: `train.schedules.density`, `compress.level_index`) would make a worker send as much as a
-  dense all-reduce at `workers` workers or more (`comm.wire_bytes`): those steps go dense."""
-  from sparsejax.compress import density_levels, level_index
-  from sparsejax.train import schedules
-  schedule = schedules.density(comp, steps_per_epoch)
-  if schedule is None:
+def dense_warmup_steps(algorithm: str, config, workers: int, n: int, steps_per_epoch: int) -> int:
+  """The first steps of the DGC warm-up during which its density level (the run plan's:
+  `sparsejax.train.plan`) would make a worker send as much as a dense all-reduce at `workers`
+  workers or more (`comm.wire_bytes`): those steps go dense."""
+  from sparsejax.train import make_plan
+  plan = make_plan(config, steps_per_epoch)
+  if not plan.warmup_steps_density:
     return 0
   dense = comm.wire_bytes("dense", n=n, nodes=workers, local=1)["inter"]
-  levels = density_levels(comp.density)
-  warmup = int(round(comp.warmup_epochs * steps_per_epoch))  # (as `schedules.density`)
-  for step in range(warmup):
-    level = levels[level_index(levels, float(schedule(step)))]
-    if level < 1.0 and comm.wire_bytes(algorithm, n=n, k=max(1, round(level * n)),
-                                       nodes=workers, local=1)["inter"] < dense:
-      return step
-  return warmup  # (a density that sends more than dense: only the warm-up goes dense)
+  for first, level in plan.level_steps:
+    density = plan.levels[level]
+    if density < 1.0 and comm.wire_bytes(algorithm, n=n, k=max(1, round(density * n)),
+                                         nodes=workers, local=1)["inter"] < dense:
+      return first
+  return plan.warmup_steps_density  # (a density that sends more than dense: only the warm-up)
 
 
 def _finished(workdir: str) -> dict[str, Any] | None:

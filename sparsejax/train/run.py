@@ -1,0 +1,209 @@
+"""`Run`: one run of a config, built once: its plan, inputs, mesh, model and chain, state and
+compiled steps. `train_and_evaluate` drives it; a study or a benchmark that trains, times a step
+or a form at a link, or evaluates uses it as it is, so that there is one trainer.
+
+    run = Run(config)              # a validated or raw config
+    run.compile()                  # optional: every program the run passes through, now
+    for step in range(run.plan.total_steps):
+      run.step(step)               # the loop's step: the plan's (or auto's) form and level
+    metrics = run.evaluate()
+
+The train state is `run.state` (placed on `run.mesh`); `run.step` replaces it. `step_at(step,
+at)` runs batch `step` at the form, density level and image size of step `at` (a study's sweep
+holds one level while it times the link); `set_step` moves the step counters; `aside()` is a
+context for work between steps that `auto` leaves out of the steps' time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from sparsejax import data as data_lib
+from sparsejax.train import auto as auto_lib
+from sparsejax.train import config as config_lib
+from sparsejax.train import pipelined as pipeline_lib
+from sparsejax.train import step as step_lib
+from sparsejax.train.metrics import NullWriter
+from sparsejax.train.optimizer import replace_parts
+from sparsejax.train.plan import Plan, make_plan
+from sparsejax.train.state import TrainSetup, from_config, shard_batch
+
+__all__ = ["Run", "evaluate"]
+
+
+def evaluate(setup: TrainSetup, eval_step: Callable, state: Any, data: data_lib.Inputs,
+             size: int | None) -> dict[str, float]:
+  """The eval metrics of `state` over the whole eval set (padding weighted out); `eval_step`
+  from `step.jit_eval_step`."""
+  totals: dict[str, float] = {}
+  for images, labels, weights in data.eval_batches(size):
+    sums = jax.device_get(eval_step(state, *shard_batch(setup.mesh, images, labels, weights)))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+  count = totals.pop("count")
+  return {k: v / count for k, v in totals.items()}
+
+
+class Run:
+  """One run of a config (see the module).
+
+  Attributes:
+    config: the validated config. plan: its `Plan` (every duration in steps). data: the
+      inputs (`sparsejax.data.Inputs`). mesh: the ("node", "local") mesh of the state.
+    setup, state: the `TrainSetup` and the current `TrainState`.
+    auto: algorithm "auto"'s chooser (`auto.AutoExchange`), else None.
+    pipeline: the pipelined exchange (`pipelined.Pipeline`) where `overlap.pipeline` is set,
+      else None.
+  """
+
+  def __init__(self, config: Any, *, history: list[dict[str, Any]] | None = None):
+    """`history`: algorithm "auto"'s choices so far (a resumed run's), appended to."""
+    config = config_lib.validate(config)
+    self.config = config
+    placement = config.overlap.pipeline
+    self.mesh, compute_mesh = pipeline_lib.meshes(config.mesh.nodes, config.mesh.local,
+                                                  placement)
+    if config.batch_size % self.mesh.size:
+      raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
+                       f"{self.mesh.size} devices of the mesh")
+    self.data = data_lib.open_inputs(config)
+    self.plan: Plan = make_plan(config, self.data.steps_per_epoch)
+    self._size = self.plan.image_size(0)
+    self.setup, self.state = from_config(config, self.plan, self.mesh, self.data.num_classes,
+                                         self.data.example(self._size))
+    self._jitted: dict[Any, Callable] = {}  # level -> the train step at it, jitted
+    self._compiled: dict[Any, Callable] = {}  # (level, input shape) -> compiled ahead
+    self.pipeline = None
+    if placement:  # the pipelined exchange carries the computed gradient in the state
+      self.state = pipeline_lib.with_pending(self.setup, self.state, self.batch(0))
+      self.pipeline = pipeline_lib.from_config(config, self.plan, self.setup, self.state,
+                                               compute_mesh)
+    self.auto = None
+    if config.compression.algorithm == "auto":
+      self.auto = auto_lib.AutoExchange(config, self.plan, self.setup, self.state,
+                                        history=[] if history is None else history,
+                                        compiled=self.program)
+    self._eval = step_lib.jit_eval_step(self.setup, self.state)
+    self._sync = step_lib.jit_sync_batch_stats(self.mesh)
+
+  @property
+  def size(self) -> int | None:
+    """The image size of the step that ran last (the first step's before any; None: the
+    data's own)."""
+    return self._size
+
+  # --- programs
+
+  def program(self, level: int | None) -> Callable:
+    """`(state, inputs, labels) -> (state, metrics)`: the train step at density `level` for
+    the current image size (compiled ahead where `compile` did, else jitted on first use;
+    the state donated)."""
+    if (level, self._size) in self._compiled:
+      return self._compiled[level, self._size]
+    if level not in self._jitted:
+      self._jitted[level] = step_lib.jit_train_step(self.setup, self.state, level)
+    return self._jitted[level]
+
+  def compile(self) -> None:
+    """Compiles, now, every train step the run passes through (each density level at each
+    image size it meets; under "auto" both forms at every size, and its probes): for a caller
+    that keeps compilation off its clock. Nothing runs on `state` (auto's forms run on a
+    copy)."""
+    plan = self.plan
+    if self.pipeline is not None:
+      if len(plan.stages) > 1:
+        raise ValueError("the pipelined exchange compiles ahead at one image size; got "
+                         f"data.resize_schedule={tuple(self.config.data.resize_schedule)}")
+      self.pipeline.compile(self.state, self.batch(0),
+                            [plan.level(s) for s in range(plan.total_steps)])
+      return
+    changes = sorted({s for table in (plan.stages, plan.level_steps, plan.forms)
+                      for s, _ in table if s < plan.total_steps})
+    pairs = {(plan.level(s), plan.image_size(s)): s for s in reversed(changes)}
+    if self.auto is not None:
+      final = plan.sparse_level(plan.total_steps - 1)
+      for first, size in plan.stages:
+        for level in (plan.dense_level, final):
+          pairs.setdefault((level, size), first)
+    for (level, size), step in pairs.items():
+      if (level, size) not in self._compiled:
+        self._compiled[level, size] = step_lib.jit_train_step(
+            self.setup, self.state, level).lower(self.state, *self.batch(step)).compile()
+    if self.auto is not None:
+      self.auto.compile(self.state, self.batch(0))
+
+  # --- steps
+
+  def batch(self, step: int, at: int | None = None) -> tuple[jax.Array, ...]:
+    """Training batch `step` at the image size of step `at` (default `step`), sharded."""
+    size = self.plan.image_size(min(step if at is None else at, self.plan.total_steps - 1))
+    return shard_batch(self.mesh, *self.data.train_batch(step, size))
+
+  def step(self, step: int, writer: Any = None) -> list[dict[str, jax.Array]]:
+    """The loop's step `step` on its batch: the form and level the plan gives it (auto's
+    choice where it measures; `writer` gets auto's choices), pipelined where configured.
+    Replaces `state`; returns the metrics of each update made (none or two in a pipeline's
+    first and last steps), not waited for."""
+    self._size = self.plan.image_size(step)
+    batch = self.batch(step)
+    if self.pipeline is not None:
+      self.state, metrics = self.pipeline(step, self.state, *batch)
+      return metrics
+    if self.auto is not None:
+      self.auto.before_step(step, self.state, batch, writer or NullWriter())
+      level = self.auto.level(step)
+    else:
+      level = self.plan.level(step)
+    self.state, metrics = self.program(level)(self.state, *batch)
+    return [metrics]
+
+  def step_at(self, step: int, at: int) -> dict[str, jax.Array] | None:
+    """Batch `step` at the density level and image size of step `at` (auto: its form fixed
+    by the plan there, or its form in force): what a sweep times. Under a pipeline, the
+    steady pipelined step at that level. Not waited for."""
+    at = min(at, self.plan.total_steps - 1)
+    self._size = self.plan.image_size(at)
+    batch = self.batch(step, at)
+    level = self.auto.level(at) if self.auto is not None else self.plan.level(at)
+    if self.pipeline is not None:
+      self.state, metrics = self.pipeline.steady(self.state, batch, level)
+      return metrics
+    self.state, metrics = self.program(level)(self.state, *batch)
+    return metrics
+
+  def wait(self) -> None:
+    """Blocks until every step dispatched so far is done."""
+    jax.block_until_ready(self.state)
+
+  def aside(self) -> Any:
+    """A context for work between steps (an evaluation, a checkpoint) that algorithm "auto"
+    leaves out of the steps' time."""
+    return self.auto.paused(self.state) if self.auto is not None else contextlib.nullcontext()
+
+  # --- between steps
+
+  def sync(self) -> None:
+    """Every worker's BatchNorm running statistics replaced by their mean (in `state`)."""
+    self.state = self._sync(self.state)
+
+  def evaluate(self, step: int | None = None) -> dict[str, float]:
+    """The eval metrics over the whole eval set after `sync`, at the image size of the step
+    before `step` (default: of the step that ran last): the size the run has trained at."""
+    self.sync()
+    size = self._size if step is None else self.plan.image_size(max(0, step - 1))
+    return evaluate(self.setup, self._eval, self.state, self.data, size)
+
+  def set_step(self, step: int) -> None:
+    """Moves the step counters to `step`: the train state's (the learning rate) and every
+    worker's exchange state's (its density schedule)."""
+    def put(old):
+      value = np.full(old.shape, step, np.int32)
+      return jax.make_array_from_callback(old.shape, old.sharding, lambda i: value[i])
+    exchange = self.state.comm_state
+    self.state = self.state._replace(step=put(self.state.step), opt_state=replace_parts(
+        self.state.opt_state, exchange=exchange._replace(count=put(exchange.count))))
