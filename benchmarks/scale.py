@@ -13,7 +13,7 @@ that work out of the exchange and makes the exchange wait on the link:
 
   compute   an idle wait (`--compute-ms`, default the time-to-accuracy study's measured JAX
             compute step, 37.7 ms): the backward pass, which on a GPU node leaves the host idle;
-  select    MSTopK with error feedback (`feedback_select`) on the node's buffer: local work;
+  select    MSTopK with error feedback (`topk.select_feedback`) on the node's buffer: local work;
   exchange  after a barrier, the network part alone: TopK all-gather's all-gather of every
             node's k (value, index) pairs (`comm.gather_pairs`), gTop-k's recursive-doubling
             merge and psum of the k sums (`comm.gtopk_sums`); dense: a psum of the buffer;
@@ -106,16 +106,15 @@ def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, A
   import jax
   from jax import lax
 
-  from sparsejax import comm
-  from sparsejax.feedback import Feedback, feedback_select
+  from sparsejax import comm, topk
+  from sparsejax.feedback import Feedback
   from sparsejax.train.mesh import WORKERS
 
   def smap(f):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
   def select(v, r):
-    values, indices, kept = feedback_select(v, Feedback(r), k, "mstopk")
-    return values, indices, kept.residual
+    return topk.select_feedback("mstopk", v, r, k)
 
   def full(name):  # the sum and the residual, as the training step needs both
     collective = comm.sparse_collective(name, WORKERS)

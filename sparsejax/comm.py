@@ -8,7 +8,8 @@ over all workers, identical on every worker. The sparse ones are also given in t
 the selection (`SparseCollective`: `sparse_allgather`, `sparse_hitopk`, `sparse_gtopk`,
 `sparse_higtopk`), so that selection and error feedback (`sparsejax.feedback`) stay separate
 pieces; `topk_allgather`, `hitopk_allreduce`, `gtopk_allreduce` and `higtopk_allreduce` compose
-them with `feedback_select` and also return what was not sent (a `Feedback`).
+them with the error-feedback piece and one selection, and also return what was not sent (a
+`Feedback`).
 
   dense_allreduce          psum over all axes (a flat ring: every byte crosses the network)
   hierarchical_allreduce   reduce-scatter local, all-reduce node, all-gather local
@@ -34,7 +35,13 @@ from jax import lax
 
 from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
-from sparsejax.feedback import Feedback, MomentumCorrection, check_feedback, feedback_select
+from sparsejax.feedback import (
+  Correction,
+  Feedback,
+  MomentumCorrection,
+  check_feedback,
+  error_feedback,
+)
 
 __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "sparse_allgather",
            "sparse_hitopk", "sparse_gtopk", "sparse_higtopk", "sparse_collective",
@@ -183,8 +190,8 @@ class SparseCollective(NamedTuple):
     worker's pairs, identical on every worker; what a worker selected is what it sent.
   reduce: instead of `gather`, for a collective that decides over all workers which positions
     are sent (gTop-k): `(values, indices, kept, len(part), masking) -> (total, kept)`, where
-    `kept` is the `Feedback` `feedback_select` returned (the candidates with the selected values
-    zeroed; its velocity NOT masked: the selection is not what is sent) and the returned one
+    `kept` is the memory after the selection (the candidates with the selected values zeroed;
+    its velocity NOT masked: the selection is not what is sent) and the returned one
     keeps exactly what was not sent, the velocity zeroed where sent with `masking`.
   """
 
@@ -434,23 +441,34 @@ def sparse_collective(algorithm: str, axes: str | Sequence[str]) -> SparseCollec
 
 
 def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
-                      residual: Feedback | None, select, momentum: float, nesterov: bool,
-                      masking: bool) -> tuple[jax.Array, Feedback]:
+                      residual: Feedback | None, select, correction: Correction | None
+                      ) -> tuple[jax.Array, Feedback]:
+  """`collective` around one selection of k: with `residual`, error feedback under
+  `correction` (plain without); returns `(total, what this worker keeps)`."""
   part = collective.scatter(x)
   topk_lib.check_k(part, k)
+  feedback = error_feedback(correction)
+  momentum = correction.momentum if isinstance(correction, MomentumCorrection) else 0.0
   check_feedback(residual, part.shape[0], momentum)
-  correction = MomentumCorrection(momentum, nesterov, masking and collective.reduce is None
-                                  ) if momentum else None
-  values, indices, kept = feedback_select(part, residual, k, select, correction=correction)
-  return settle(collective, values, indices, kept, part.shape[0], masking)
+  if residual is None:
+    if correction is not None:
+      raise ValueError(f"a correction ({correction!r}) needs residual=Feedback(...)")
+    values, indices = topk_lib.get_selector(select)(part, k)
+    kept = Feedback(part.at[indices].set(0, unique_indices=True))
+    return settle(collective, values, indices, kept, part.shape[0], False)
+  term, memory = feedback.candidates(part, residual)
+  values, indices, kept = topk_lib.select_feedback(select, term, memory.residual, k)
+  memory = memory._replace(residual=kept)
+  if feedback.masking and collective.reduce is None:
+    memory = memory._replace(velocity=memory.velocity.at[indices].set(0, unique_indices=True))
+  return settle(collective, values, indices, memory, part.shape[0], feedback.masking)
 
 
 def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
-                   residual: Feedback | None = None,
-                   select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                   momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+                   residual: Feedback | None = None, select=topk_lib.mstopk,
+                   correction: Correction | None = None) -> tuple[jax.Array, Feedback]:
   """TopK all-gather: each worker sends its k largest |x + residual| to every other worker
-  (`feedback_select`, then `sparse_allgather(axes)`).
+  (the error-feedback piece and one selection, then `sparse_allgather(axes)`).
 
   Args:
     x: this worker's 1-D buffer, length n.
@@ -459,23 +477,20 @@ def topk_allgather(x: jax.Array, k: int, *, axes: str | Sequence[str],
     residual: error feedback from the last step, a `Feedback` of shape (n,) buffers (a velocity
       too with momentum correction), or None.
     select: a selector `(x, k) -> (values, indices)` or its name ("mstopk", "exact", "sampled").
-    momentum, nesterov: momentum correction (needs a velocity; 0 = none).
-    momentum_masking: zero the velocity where sent (DGC's momentum factor masking).
+    correction: None or a `MomentumCorrection` (needs a velocity in `residual`).
 
   Returns:
     `(total, new_residual)`: `total` (n,) is the sum over workers of what each sent, identical on
     every worker; `new_residual` a `Feedback` with `residual = (x + residual) - sent`.
   """
-  return _sparse_allreduce(sparse_allgather(axes), x, k, residual, select, momentum, nesterov,
-                           momentum_masking)
+  return _sparse_allreduce(sparse_allgather(axes), x, k, residual, select, correction)
 
 
 def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
-                     residual: Feedback | None = None,
-                     select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                     momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+                     residual: Feedback | None = None, select=topk_lib.mstopk,
+                     correction: Correction | None = None) -> tuple[jax.Array, Feedback]:
   """HiTopKComm (Shi et al., 2021): dense inside a node, sparse between nodes
-  (`sparse_hitopk(node_axis, local_axis)` around `feedback_select`).
+  (`sparse_hitopk(node_axis, local_axis)` around one selection).
 
   Args:
     x: this worker's 1-D buffer, length n, a multiple of the local axis size M.
@@ -483,28 +498,27 @@ def hitopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
     node_axis, local_axis: mesh axis names.
     residual: error feedback for this worker's shard, a `Feedback` of shape (n/M,) buffers.
     select: selector or its name.
-    momentum, nesterov: momentum correction of the shard (of the node's summed gradient: the
-      sum of the workers' momenta is the momentum of their sum, so one velocity per shard is exact).
-    momentum_masking: zero the velocity where sent (DGC's momentum factor masking).
+    correction: None or a `MomentumCorrection` of the shard (of the node's summed gradient: the
+      sum of the workers' momenta is the momentum of their sum, so one velocity per shard is
+      exact).
 
   Returns:
     `(total, new_residual)`: `total` (n,) the sum over all workers of what was sent, identical on
     every worker; `new_residual` (n/M,) what this worker's shard kept back.
   """
   return _sparse_allreduce(sparse_hitopk(node_axis, local_axis), x, k, residual, select,
-                           momentum, nesterov, momentum_masking)
+                           correction)
 
 
 def gtopk_allreduce(x: jax.Array, k: int, *, axes: str | Sequence[str],
-                    residual: Feedback | None = None,
-                    select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                    momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+                    residual: Feedback | None = None, select=topk_lib.mstopk,
+                    correction: Correction | None = None) -> tuple[jax.Array, Feedback]:
   """gTop-k (Shi et al., ICDCS 2019): each worker selects its k largest |x + residual|, the
   pairs are merged by recursive doubling into k positions common to all workers, and at those
   positions the values the workers selected are summed (a psum of k values). Traffic per worker
-  grows with log2 P (TopK all-gather's with P). Arguments as `topk_allgather`; with
-  `momentum_masking` the velocity is zeroed where this worker sent (not where it selected and a
-  merge dropped: that value is still to be sent).
+  grows with log2 P (TopK all-gather's with P). Arguments as `topk_allgather`; with a masking
+  `MomentumCorrection` the velocity is zeroed where this worker sent (not where it selected and
+  a merge dropped: that value is still to be sent).
 
   Returns:
     `(total, new_residual)`: `total` (n,) at the k global positions the sum of what the workers
@@ -512,18 +526,16 @@ def gtopk_allreduce(x: jax.Array, k: int, *, axes: str | Sequence[str],
     candidates less what it sent (what it did not select, or selected and the merge dropped,
     stays in it).
   """
-  return _sparse_allreduce(sparse_gtopk(axes), x, k, residual, select, momentum, nesterov,
-                           momentum_masking)
+  return _sparse_allreduce(sparse_gtopk(axes), x, k, residual, select, correction)
 
 
 def higtopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
-                      residual: Feedback | None = None,
-                      select=topk_lib.mstopk, momentum: float = 0.0, nesterov: bool = False,
-                      momentum_masking: bool = True) -> tuple[jax.Array, Feedback]:
+                      residual: Feedback | None = None, select=topk_lib.mstopk,
+                      correction: Correction | None = None) -> tuple[jax.Array, Feedback]:
   """HiTopKComm with gTop-k between the nodes (`sparse_higtopk`); arguments and results as
   `hitopk_allreduce` (k per shard, the residual per shard)."""
   return _sparse_allreduce(sparse_higtopk(node_axis, local_axis), x, k, residual, select,
-                           momentum, nesterov, momentum_masking)
+                           correction)
 
 
 def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,

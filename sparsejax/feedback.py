@@ -6,29 +6,25 @@ correction (DGC: Lin et al., ICLR 2018) the worker also keeps a velocity and acc
 momentum BEFORE the selection, so a value sent late carries the momentum it would have had; the
 optimizer after the exchange then runs without momentum.
 
-The memory has ONE type, `Feedback(residual, velocity)` (velocity None without momentum
-correction), and one operation, `feedback_select`: the candidates from the buffer and the memory,
-the top-k of them, and the memory for the next step. A correction is one typed value,
-`MomentumCorrection(momentum, nesterov, masking)` or `AdamCorrection(b1, b2, eps)`, passed as
-`correction=` here and to `sparsejax.topk_allreduce`.
+The memory has ONE type, `Feedback(residual, velocity, second)`, and the piece an exchange
+(`sparsejax.compress.exchange`) takes is `error_feedback(correction)`: it makes the memory
+(`init`) and each step's candidates (`candidates`: this step's term, its velocity or Adam
+direction, beside the residual: the candidates are `term + residual`). The selection is then one
+call (`sparsejax.topk.select_feedback`), and what the exchange did not send is the next memory. A
+correction is one typed value, `MomentumCorrection(momentum, nesterov, masking)` or
+`AdamCorrection(b1, b2, eps)`.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from sparsejax import topk as topk_lib
-
-__all__ = ["Feedback", "MomentumCorrection", "AdamCorrection", "Correction", "legacy_correction",
-           "adam_direction", "tensor_weights", "init_feedback",
-           "check_feedback", "feedback_select", "feedback_dense"]
-
-Selector = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | str
+__all__ = ["Feedback", "MomentumCorrection", "AdamCorrection", "Correction", "ErrorFeedback",
+           "error_feedback", "adam_direction", "tensor_weights", "init_feedback",
+           "check_feedback"]
 
 
 class Feedback(NamedTuple):
@@ -77,28 +73,6 @@ class AdamCorrection(NamedTuple):
 Correction = MomentumCorrection | AdamCorrection  # what `correction=` takes (or None)
 
 
-def legacy_correction(where: str, momentum: float = 0.0, nesterov: bool = False,
-                      masking: bool = True, adam: AdamCorrection | None = None,
-                      stacklevel: int = 3) -> Correction | None:
-  """The `correction` the keywords `momentum`, `nesterov`, `momentum_masking` / `masking` and
-  `adam` of earlier releases spell, with a DeprecationWarning naming the new spelling (none is
-  raised where they are all at their defaults)."""
-  if adam is not None:
-    new = f"correction={adam!r}"
-    correction: Correction | None = adam
-    if momentum or nesterov or masking is not True:
-      correction = None  # (both given: the caller's checks refuse it by name)
-  elif momentum or nesterov or masking is not True:
-    correction = MomentumCorrection(momentum, nesterov, masking)
-    new = f"correction={correction!r}"
-  else:
-    return None
-  warnings.warn(f"{where}: momentum=, nesterov=, momentum_masking= and adam= are deprecated and "
-                f"go in the next release; pass {new} (sparsejax.feedback)",
-                DeprecationWarning, stacklevel=stacklevel)
-  return correction
-
-
 def adam_direction(x: jax.Array, feedback: Feedback, adam: AdamCorrection, count: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`(direction, m, v)`: the bias-corrected Adam direction of gradient `x` after `count`
@@ -114,7 +88,7 @@ def adam_direction(x: jax.Array, feedback: Feedback, adam: AdamCorrection, count
 def tensor_weights(candidates: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
   """float32 per-element weights 2^-round(log2(rms of the element's tensor)): scaled by them,
   every tensor's candidates have an RMS near 1, so one global top-k takes about the same share
-  of each tensor's coordinates (`balance="tensor"`). Powers of two: scaling and unscaling are
+  of each tensor's coordinates (`compress.tensor_balance`). Powers of two: scaling and unscaling are
   exact. `segments`: int32 tensor id of each element (`FlatLayout.segment_ids`)."""
   c = candidates.astype(jnp.float32)
   sq = jax.ops.segment_sum(c * c, segments, num_segments)
@@ -153,26 +127,6 @@ def check_feedback(feedback: Feedback | None, length: int, momentum: float) -> N
                        f"got {r.shape}")
 
 
-def _plain(x: jax.Array, feedback: Feedback, k: int, select: Selector
-           ) -> tuple[jax.Array, jax.Array, Feedback]:
-  values, indices, residual = topk_lib.select_feedback(select, x, feedback.residual, k)
-  return values, indices, Feedback(residual)
-
-
-def _select_weighted(select: Selector, x: jax.Array, residual: jax.Array, k: int,
-                     weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`topk.select_feedback` of `weights * (x + residual)`, the values and the memory unweighted
-  (the weights are powers of two: exact)."""
-  values, indices, kept = topk_lib.select_feedback(select, x * weights, residual * weights, k)
-  return values / weights[indices], indices, kept / weights
-
-
-def _weighted(x: jax.Array, feedback: Feedback, k: int, select: Selector, weights: jax.Array
-              ) -> tuple[jax.Array, jax.Array, Feedback]:
-  values, indices, residual = _select_weighted(select, x, feedback.residual, k, weights)
-  return values, indices, Feedback(residual)
-
-
 def _momentum_term(x: jax.Array, feedback: Feedback, correction: MomentumCorrection
                    ) -> tuple[jax.Array, jax.Array]:
   """(new velocity, candidate term): `momentum * u + x`, and with Nesterov `x + momentum * u`."""
@@ -180,93 +134,58 @@ def _momentum_term(x: jax.Array, feedback: Feedback, correction: MomentumCorrect
   return velocity, x + correction.momentum * velocity if correction.nesterov else velocity
 
 
-def _momentum(x: jax.Array, feedback: Feedback, k: int, select: Selector,
-              correction: MomentumCorrection, weights: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array, Feedback]:
-  velocity, term = _momentum_term(x, feedback, correction)
-  # acc = residual + term; with mstopk on CPU the sum, the selection and the zeroing are one
-  # kernel (topk.select_feedback).
-  if weights is None:
-    values, indices, residual = topk_lib.select_feedback(select, term, feedback.residual, k)
-  else:
-    values, indices, residual = _select_weighted(select, term, feedback.residual, k, weights)
-  if correction.masking:
-    velocity = velocity.at[indices].set(0, unique_indices=True)
-  return values, indices, Feedback(residual, velocity)
+class ErrorFeedback(NamedTuple):
+  """The error-feedback piece of an exchange (`error_feedback` builds it): the memory and each
+  step's candidates under `correction` (None: plain error feedback)."""
+
+  correction: Correction | None = None
+
+  @property
+  def masking(self) -> bool:
+    """Whether the velocity is zeroed where a value is sent (DGC's momentum factor masking)."""
+    return isinstance(self.correction, MomentumCorrection) and self.correction.masking
+
+  def init(self, length: int) -> Feedback:
+    """Zero memory for a part of `length` values (a velocity with momentum correction, both
+    Adam moments with Adam correction)."""
+    c = self.correction
+    return init_feedback(length, c.momentum if isinstance(c, MomentumCorrection) else 0.0,
+                         isinstance(c, AdamCorrection))
+
+  def candidates(self, x: jax.Array, memory: Feedback, count: jax.Array | None = None,
+                 scale: float = 1.0) -> tuple[jax.Array, Feedback]:
+    """`(term, memory)`: this step's term of the candidates (which are `term +
+    memory.residual`) and the memory with its velocity or Adam moments run on (not masked; the
+    residual as it was). The term is `x` (plain error feedback), the new velocity (`x +
+    momentum * velocity` with Nesterov) with a `MomentumCorrection`, or `scale *
+    adam_direction(x / scale)` with an `AdamCorrection` (the moments after `count` earlier
+    steps; `scale`: how many workers' gradients `x` sums, so the direction is their mean's)."""
+    x = x.astype(memory.residual.dtype)
+    c = self.correction
+    if isinstance(c, AdamCorrection):
+      direction, m, v = adam_direction(x / scale, memory, c, count)
+      return scale * direction, memory._replace(velocity=m, second=v)
+    if isinstance(c, MomentumCorrection):
+      velocity, term = _momentum_term(x, memory, c)
+      return term, memory._replace(velocity=velocity)
+    return x, memory
 
 
-def _adam(x: jax.Array, feedback: Feedback, k: int, select: Selector, correction: AdamCorrection,
-          count: jax.Array | None, scale: float) -> tuple[jax.Array, jax.Array, Feedback]:
-  direction, m, v = adam_direction(x / scale, feedback, correction, count)
-  values, indices, residual = topk_lib.select_feedback(select, scale * direction,
-                                                       feedback.residual, k)
-  return values, indices, Feedback(residual, m, v)  # the moments run on (no masking)
-
-
-def feedback_dense(x: jax.Array, feedback: Feedback, *, correction: Correction | None = None,
-                   count: jax.Array | None = None, scale: float = 1.0
-                   ) -> tuple[jax.Array, Feedback]:
-  """Every candidate of `feedback_select` (the same `correction`, `count`, `scale`), for a step
-  that sends them all: `(candidates, Feedback)` with the residual emptied and the velocity or
-  Adam moments run on, unmasked. No selection and no scatter: the dense form of a sparse
-  exchange costs what a dense exchange costs."""
-  x = x.astype(feedback.residual.dtype)
-  empty = jnp.zeros_like(feedback.residual)
-  if isinstance(correction, AdamCorrection):
-    direction, m, v = adam_direction(x / scale, feedback, correction, count)
-    return scale * direction + feedback.residual, Feedback(empty, m, v)
-  if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
-    velocity, term = _momentum_term(x, feedback, correction)
-    return term + feedback.residual, Feedback(empty, velocity)
-  if correction is not None and not isinstance(correction, MomentumCorrection):
+def error_feedback(correction: Correction | None = None) -> ErrorFeedback:
+  """The error-feedback piece: plain (None), or with a `MomentumCorrection` or an
+  `AdamCorrection` (checked here: a clear error names a bad value)."""
+  if correction is None:
+    return ErrorFeedback()
+  if not isinstance(correction, MomentumCorrection | AdamCorrection):
     raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "
                      f"AdamCorrection or None, got {correction!r}")
-  return x + feedback.residual, Feedback(empty)
-
-
-def feedback_select(x: jax.Array, feedback: Feedback | None, k: int,
-                    select: Selector = topk_lib.mstopk, *, correction: Correction | None = None,
-                    count: jax.Array | None = None, scale: float = 1.0,
-                    weights: jax.Array | None = None, **deprecated: Any
-                    ) -> tuple[jax.Array, jax.Array, Feedback]:
-  """The k largest |candidates| of a 1-D buffer `x` and the memory for the next step.
-
-  The candidates are `x + residual` (plain error feedback), `velocity + residual` with a
-  `MomentumCorrection` (`x + momentum * velocity + residual` with Nesterov), `scale *
-  adam_direction(x / scale) + residual` with an `AdamCorrection` (the moments after `count`
-  earlier steps; `scale`: how many workers' gradients `x` sums, so the Adam direction is taken
-  of their mean), or `x` alone without memory. With `weights` (plain error feedback or a
-  `MomentumCorrection`; `tensor_weights`), the selection is of the k largest |weights *
-  candidates|; the values and the memory are the candidates' own. (`momentum=`, `nesterov=`,
-  `masking=`, `adam=`: the correction as earlier releases spelled it, deprecated.)
-
-  Returns:
-    `(values, indices, Feedback)`: `values == candidates[indices]` (int32[k]); the new residual is
-    the candidates with the sent values zeroed (without memory: `x` with them zeroed), the new
-    velocity zeroed there too with momentum masking.
-  """
-  if deprecated:
-    unknown = set(deprecated) - {"momentum", "nesterov", "masking", "adam"}
-    if unknown:
-      raise TypeError(f"feedback_select got unexpected keyword(s) {sorted(unknown)}")
-    correction = correction or legacy_correction("feedback_select", **deprecated)
-  if feedback is None:
-    values, indices = topk_lib.get_selector(select)(x, k)
-    return values, indices, Feedback(x.at[indices].set(0, unique_indices=True))
-  x = x.astype(feedback.residual.dtype)
-  if correction is not None and not isinstance(correction, MomentumCorrection | AdamCorrection):
-    raise ValueError(f"correction must be a sparsejax.feedback.MomentumCorrection, "
-                     f"AdamCorrection or None, got {correction!r}")
-  if feedback.velocity is not None and correction is None:
-    raise ValueError("a Feedback with a velocity needs correction=MomentumCorrection(...) or "
-                     "AdamCorrection(...)")
-  if weights is not None and isinstance(correction, AdamCorrection):
-    raise ValueError("weights (balance='tensor') work with plain error feedback or a "
-                     f"MomentumCorrection, not {correction!r}")
-  if isinstance(correction, AdamCorrection):
-    return _adam(x, feedback, k, select, correction, count, scale)
-  if isinstance(correction, MomentumCorrection) and feedback.velocity is not None:
-    return _momentum(x, feedback, k, select, correction, weights)
-  if weights is not None:
-    return _weighted(x, feedback, k, select, weights)
-  return _plain(x, feedback, k, select)
+  if isinstance(correction, MomentumCorrection):
+    m = correction.momentum
+    if isinstance(m, bool) or not isinstance(m, int | float) or not 0 < m < 1:
+      raise ValueError(f"MomentumCorrection.momentum must be a number in (0, 1), got {m!r}")
+    if not isinstance(correction.masking, bool) or not isinstance(correction.nesterov, bool):
+      raise ValueError(f"MomentumCorrection.nesterov and .masking must be True or False, got "
+                       f"{correction!r}")
+  elif not (0 <= correction.b1 < 1 and 0 <= correction.b2 < 1 and correction.eps > 0):
+    raise ValueError(f"Adam correction needs b1, b2 in [0, 1) and eps > 0, got {correction}")
+  return ErrorFeedback(correction)

@@ -382,14 +382,19 @@ def radix_topk(x: jax.Array, k: int, *, block: int | None = None) -> tuple[jax.A
   return x[idx], idx
 
 
-def select_feedback(select: str | Selector, x: jax.Array, residual: jax.Array,
-                    k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def select_feedback(select: str | Selector, x: jax.Array, residual: jax.Array, k: int,
+                    weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Error-feedback selection: acc = x + residual, its top k, and acc with those zeroed.
 
   With `mstopk` on CPU (float32 x and residual, C++ kernels available) one kernel does it all in
   about one pass over memory (acc is written in the selection pass); otherwise `select(acc, k)`
-  and a scatter. Returns `(values, indices, new_residual)` with `values = acc[indices]`.
+  and a scatter. With `weights` (powers of two, one per element: exact to apply and undo) the k
+  largest |weights * acc| are selected; values and the new residual are acc's own. Returns
+  `(values, indices, new_residual)` with `values = acc[indices]`.
   """
+  if weights is not None:
+    values, indices, kept = select_feedback(select, x * weights, residual * weights, k)
+    return values / weights[indices], indices, kept / weights
   select = get_selector(select)
 
   def generic(x, residual):

@@ -1,4 +1,4 @@
-"""`topk_allreduce(..., balance="tensor")`: each tensor's candidates scaled by a power of two
+"""`exchange(..., balance=tensor_balance())`: each tensor's candidates scaled by a power of two
 near 1 / their RMS before the one top-k, so a tensor of small gradients is not starved; what is
 sent and what is kept are the candidates' own values (nothing lost, exactly)."""
 
@@ -7,9 +7,17 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sparsejax.compress import topk_allreduce
-from sparsejax.feedback import AdamCorrection, MomentumCorrection, tensor_weights
+from sparsejax.comm import sparse_collective
+from sparsejax.compress import density_schedule, exchange, tensor_balance, topk_allreduce
+from sparsejax.feedback import AdamCorrection, MomentumCorrection, error_feedback, tensor_weights
 from tests.conftest import make_mesh
+
+
+def balanced(correction=None, segments=None, feedback=True):
+  """HiTopKComm 0.05 (exact top-k) with the per-tensor balance."""
+  return exchange(sparse_collective("hitopk", ("node", "local")), density_schedule(0.05),
+                  feedback=error_feedback(correction) if feedback else None, selector="exact",
+                  balance=tensor_balance(segments))
 
 
 def _one_step(tx, grads, mesh):
@@ -28,8 +36,7 @@ def test_a_small_tensor_gets_its_share_and_nothing_is_lost():
   mesh = make_mesh(1, 1)
   sent, _ = _one_step(topk_allreduce(0.05, selector="exact"), grads, mesh)
   assert np.count_nonzero(sent["small"]) == 0  # a global top-k starves it
-  sent, residual = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor"), grads,
-                             mesh)
+  sent, residual = _one_step(balanced(), grads, mesh)
   k = round(0.05 * 2000)
   small = np.count_nonzero(sent["small"])
   assert np.count_nonzero(sent["big"]) + small == k
@@ -49,9 +56,8 @@ def test_a_flat_buffer_is_balanced_by_the_segments_given():
   flat = np.concatenate([grads["big"], grads["small"]])
   segments = np.repeat(np.int32([0, 1]), [1203, 797])
   mesh = make_mesh(1, 1)
-  as_leaves, _ = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor"), grads, mesh)
-  as_flat, _ = _one_step(topk_allreduce(0.05, selector="exact", balance="tensor",
-                                        segments=segments), flat, mesh)
+  as_leaves, _ = _one_step(balanced(), grads, mesh)
+  as_flat, _ = _one_step(balanced(segments=segments), flat, mesh)
   np.testing.assert_array_equal(as_flat, np.concatenate([as_leaves["big"], as_leaves["small"]]))
   unbalanced, _ = _one_step(topk_allreduce(0.05, selector="exact"), flat, mesh)
   assert np.count_nonzero(as_flat[1203:]) > 0 == np.count_nonzero(unbalanced[1203:])
@@ -80,8 +86,7 @@ def test_with_momentum_correction_the_velocity_s_candidates_are_balanced(nestero
   steps = [{"big": (rng.standard_normal(sizes[0]) * 200).astype(np.float32),
             "small": rng.standard_normal(sizes[1]).astype(np.float32)} for _ in range(2)]
   m, k = 0.9, round(0.05 * sum(sizes))
-  tx = topk_allreduce(0.05, selector="exact", balance="tensor",
-                      correction=MomentumCorrection(m, nesterov=nesterov, masking=False))
+  tx = balanced(MomentumCorrection(m, nesterov=nesterov, masking=False))
 
   def body(g1, g2):
     state = tx.init(g1)
@@ -113,9 +118,10 @@ def test_with_momentum_correction_the_velocity_s_candidates_are_balanced(nestero
 
 
 def test_balance_refuses_what_it_does_not_support():
-  with pytest.raises(ValueError, match="balance must be 'global' or 'tensor', got 'layer'"):
-    topk_allreduce(0.01, balance="layer")
+  with pytest.raises(ValueError, match="balance must be a"):
+    exchange(sparse_collective("hitopk", ("node", "local")), density_schedule(0.05),
+             feedback=error_feedback(), balance="tensor")
   with pytest.raises(ValueError, match="error feedback, plain or with a MomentumCorrection"):
-    topk_allreduce(0.01, balance="tensor", correction=AdamCorrection(0.9, 0.99, 1e-8))
+    balanced(AdamCorrection(0.9, 0.99, 1e-8))
   with pytest.raises(ValueError, match="error feedback, plain or with a MomentumCorrection"):
-    topk_allreduce(0.01, balance="tensor", error_feedback=False)
+    balanced(feedback=False)

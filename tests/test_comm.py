@@ -9,7 +9,7 @@ import pytest
 from conftest import make_mesh, run_workers
 
 from sparsejax import comm, topk
-from sparsejax.feedback import Feedback
+from sparsejax.feedback import Feedback, MomentumCorrection
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 HLO_MESHES = MESHES + [(3, 2), (7, 1)]  # gTop-k's fold for a group that is not a power of two
@@ -116,12 +116,12 @@ def test_momentum_correction_equals_numpy(rng, algorithm, nesterov, masking):
     for x in steps:
       if algorithm == "hitopk":
         total, state = comm.hitopk_allreduce(x, k, node_axis="node", local_axis="local",
-                                             residual=state, select="exact", momentum=m,
-                                             nesterov=nesterov, momentum_masking=masking)
+                                             residual=state, select="exact",
+                                             correction=MomentumCorrection(m, nesterov, masking))
       else:
         total, state = comm.topk_allgather(x, k, axes=("node", "local"), residual=state,
-                                           select="exact", momentum=m, nesterov=nesterov,
-                                           momentum_masking=masking)
+                                           select="exact",
+                                           correction=MomentumCorrection(m, nesterov, masking))
       totals.append(total)
     return totals, state
 
@@ -287,13 +287,15 @@ def test_bad_input():
     run_workers(mesh, lambda v: comm.topk_allgather(v, 3, axes="node"), np.ones((8, 3, 4)))
   assert topk.check_k(x, 3) == (12, 3)
   pair = Feedback(jnp.zeros(1012), jnp.zeros(1012))
-  for kwargs, match in (({"momentum": 0.9}, "needs residual=Feedback\\(residual, velocity\\)"),
+  mc = MomentumCorrection
+  for kwargs, match in (({"correction": mc(0.9)},
+                         "needs residual=Feedback\\(residual, velocity\\)"),
                         ({"residual": pair}, "momentum is 0"),
                         ({"residual": jnp.zeros(1012)}, "must be a sparsejax.feedback.Feedback"),
-                        ({"residual": pair, "momentum": 1.0},
-                         "momentum must be in \\[0, 1\\), got 1.0"),
+                        ({"residual": pair, "correction": mc(1.0)},
+                         "momentum must be a number in \\(0, 1\\), got 1.0"),
                         ({"residual": Feedback(jnp.zeros(1012), jnp.zeros(5)),
-                          "momentum": 0.5}, "velocity must have shape \\(1012,\\)")):
+                          "correction": mc(0.5)}, "velocity must have shape \\(1012,\\)")):
     with pytest.raises(ValueError, match=match):
       run_workers(mesh, lambda v, kw=kwargs: comm.topk_allgather(v, 3, axes="node", **kw),
                   np.ones((8, 1012), np.float32))

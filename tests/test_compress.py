@@ -7,18 +7,24 @@ import optax
 import pytest
 from conftest import make_mesh, run_workers
 
+from sparsejax.comm import sparse_collective
 from sparsejax.compress import (
-  TopKAllReduceState,
+  ExchangeState,
   dense_mean,
   density_levels,
+  density_schedule,
+  exchange,
   hierarchical_mean,
   level_index,
+  send_whole,
+  tensor_balance,
   topk_allreduce,
 )
-from sparsejax.feedback import AdamCorrection, Feedback, MomentumCorrection, feedback_dense
+from sparsejax.feedback import AdamCorrection, Feedback, MomentumCorrection, error_feedback
 from sparsejax.finite import apply_if_finite_across
 
 MESHES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+AXES = ("node", "local")
 
 
 def grads_like(rng, p, dtype=np.float32):
@@ -94,7 +100,8 @@ def test_whole_positions_are_sent_whole_every_step(rng, nodes, local, algorithm)
   whole = np.zeros(n, bool)
   whole[:13] = True  # "b" (13 values), then "e" (15), "s" (1), "w" (91)
   whole[28] = True
-  tx = topk_allreduce(0.02, algorithm=algorithm, whole=whole)
+  tx = exchange(sparse_collective(algorithm, AXES), density_schedule(0.02),
+                feedback=error_feedback(), whole=send_whole(whole))
   outs, state = run_steps(make_mesh(nodes, local), tx, seq)
   for g, out in zip(seq, outs, strict=True):
     np.testing.assert_allclose(leaves(out)[0][whole], leaves(g).mean(0)[whole], rtol=1e-5,
@@ -110,8 +117,9 @@ def test_whole_positions_are_sent_whole_every_step(rng, nodes, local, algorithm)
 
 
 def test_whole_positions_need_error_feedback():
-  with pytest.raises(ValueError, match="whole= needs error_feedback=True"):
-    topk_allreduce(0.1, whole=np.ones(3, bool), error_feedback=False)
+  with pytest.raises(ValueError, match="send_whole needs error feedback"):
+    exchange(sparse_collective("hitopk", AXES), density_schedule(0.1),
+             whole=send_whole(np.ones(3, bool)))
 
 
 @pytest.mark.parametrize("algorithm,bad", [("hitopk", np.nan), ("dense", -np.inf)])
@@ -137,7 +145,7 @@ def test_density_schedule_switches_levels(rng):
   levels = density_levels(0.01)
   assert levels[0] == 0.01 and levels[-1] == 1.0
   sched = optax.piecewise_constant_schedule(1.0, {1: 0.01})  # dense first, then 1%
-  tx = topk_allreduce(0.01, algorithm="allgather", density_schedule=sched)
+  tx = topk_allreduce(0.01, algorithm="allgather", schedule=sched)
   g = [grads_like(rng, 8) for _ in range(2)]
   outs, state = run_steps(make_mesh(2, 4), tx, g)
   for name, leaf in g[0].items():  # step 0 ran at density 1: the exact mean
@@ -159,7 +167,7 @@ def test_density_level_chosen_by_the_caller_matches_the_switch(rng):
   host = [level_index(levels, float(sched(s))) for s in range(3)]
   assert host == [3, 2, 0]  # 0.3 -> 0.64, 0.05 -> 0.16, 0.01 -> 0.01
   assert [int(level_index(levels, jnp.float32(sched(s)))) for s in range(3)] == host
-  tx = topk_allreduce(0.01, algorithm="hitopk", density_schedule=sched)
+  tx = topk_allreduce(0.01, algorithm="hitopk", schedule=sched)
   g = [grads_like(rng, 8) for _ in range(3)]
 
   def body_fixed(*gs):
@@ -182,7 +190,7 @@ def test_density_level_chosen_by_the_caller_matches_the_switch(rng):
 def test_dense_algorithms_ignore_density_and_its_schedule(rng, algorithm):
   """The uncompressed baselines send everything: density 1 whatever the config says."""
   sched = optax.piecewise_constant_schedule(0.25, {1: 0.01})
-  tx = topk_allreduce(0.01, algorithm=algorithm, density_schedule=sched)
+  tx = topk_allreduce(0.01, algorithm=algorithm, schedule=sched)
   g = [grads_like(rng, 8) for _ in range(2)]
   outs, state = run_steps(make_mesh(2, 4), tx, g)
   for step in range(2):
@@ -194,7 +202,7 @@ def test_dense_algorithms_ignore_density_and_its_schedule(rng, algorithm):
 def test_state_is_a_named_tuple_and_jits(rng):
   tx = topk_allreduce(0.1)
   (out,), state = run_steps(make_mesh(2, 4), tx, [grads_like(rng, 8)])
-  assert isinstance(state, TopKAllReduceState)
+  assert isinstance(state, ExchangeState)
   assert state.feedback.residual.dtype == np.float32 and state.feedback.velocity is None
   assert (state.bytes_sent > 0).all()
 
@@ -284,14 +292,16 @@ def test_bad_input():
       topk_allreduce(0.1, correction=MomentumCorrection(m))
   with pytest.raises(ValueError, match="algorithm='dense'"):
     topk_allreduce(0.1, algorithm="dense", correction=MomentumCorrection(0.9))
-  with pytest.raises(ValueError, match="error_feedback=False"):
-    topk_allreduce(0.1, correction=MomentumCorrection(0.9), error_feedback=False)
   with pytest.raises(ValueError, match="nesterov and .masking must be True or False"):
     topk_allreduce(0.1, correction=MomentumCorrection(0.9, masking="no"))
   with pytest.raises(ValueError, match="correction must be a sparsejax.feedback"):
     topk_allreduce(0.1, correction=0.9)
-  with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['momentun'\]"):
-    topk_allreduce(0.1, momentun=0.9)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'momentum'"):
+    topk_allreduce(0.1, momentum=0.9)  # (the spelling before `correction=`)
+  with pytest.raises(ValueError, match="tensor_balance works with error feedback"):
+    exchange(sparse_collective("hitopk", AXES), density_schedule(0.1), balance=tensor_balance())
+  with pytest.raises(ValueError, match="levels must be a"):
+    exchange(sparse_collective("hitopk", AXES), 0.1)
   tx = topk_allreduce(0.1)
   with pytest.raises(ValueError, match="'node' is not bound"):
     tx.init({"w": jnp.ones(4)})
@@ -334,7 +344,8 @@ def test_dense_level_switch_loses_nothing(rng, nodes, local, algorithm):
   p = nodes * local
   levels = [0, 1, 0, 0, 1]  # one density level (no schedule): 1 is the dense form
   seq = [grads_like(rng, p) for _ in levels]
-  tx = topk_allreduce(0.03, algorithm=algorithm, dense_level=True)
+  tx = exchange(sparse_collective(algorithm, AXES), density_schedule(0.03, dense_form=True),
+                feedback=error_feedback())
   mesh = make_mesh(nodes, local)
   leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
                                      for x in jax.tree.leaves(t)], axis=1)
@@ -368,7 +379,8 @@ def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
   nodes, local, m = 2, 4, 0.9
   p = nodes * local
   seq = [grads_like(rng, p) for _ in range(4)]
-  tx = topk_allreduce(0.02, correction=MomentumCorrection(m, masking=True), dense_level=True)
+  tx = exchange(sparse_collective("hitopk", AXES), density_schedule(0.02, dense_form=True),
+                feedback=error_feedback(MomentumCorrection(m, masking=True)))
   outs, state = run_levels(make_mesh(nodes, local), tx, seq, [1, 1, 1, 0])
   leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
                                      for x in jax.tree.leaves(t)], axis=1)
@@ -382,18 +394,19 @@ def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
 @pytest.mark.parametrize("correction", [None, MomentumCorrection(0.9),
                                         MomentumCorrection(0.8, nesterov=True, masking=True),
                                         AdamCorrection(0.9, 0.98, 1e-8)])
-def test_feedback_dense_sends_every_candidate_and_empties_the_residual(rng, correction):
-  """The dense form's candidates against numpy: x + residual, the (Nesterov) velocity plus the
-  residual, or the Adam direction of the mean plus the residual; the velocity and moments run
-  on unmasked, the residual is emptied."""
+def test_the_candidates_are_each_correction_s_term_beside_the_residual(rng, correction):
+  """The error-feedback piece's candidates against numpy: x + residual, the (Nesterov) velocity
+  plus the residual, or the Adam direction of the mean plus the residual (what the dense form
+  sends); the velocity and moments run on unmasked, the residual as it was."""
   n, scale, count = 1237, 3.0, 4
   x, r, u, w = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
   w = np.abs(w)
   feedback = Feedback(jnp.asarray(r), *((jnp.asarray(u),) if isinstance(
       correction, MomentumCorrection) else (jnp.asarray(u), jnp.asarray(w)) if correction
       else ()))
-  values, kept = feedback_dense(jnp.asarray(x), feedback, correction=correction,
-                                count=jnp.int32(count), scale=scale)
+  term, kept = error_feedback(correction).candidates(jnp.asarray(x), feedback,
+                                                     jnp.int32(count), scale)
+  values = term + kept.residual
   if correction is None:
     want, moments = x + r, ()
   elif isinstance(correction, MomentumCorrection):
@@ -407,43 +420,14 @@ def test_feedback_dense_sends_every_candidate_and_empties_the_residual(rng, corr
     m_hat, v_hat = m / (1 - correction.b1 ** (count + 1)), v / (1 - correction.b2 ** (count + 1))
     want, moments = scale * m_hat / (np.sqrt(v_hat) + correction.eps) + r, (m, v)
   np.testing.assert_allclose(values, want, rtol=2e-5, atol=2e-6)
-  assert not np.any(kept.residual)
+  np.testing.assert_array_equal(kept.residual, r)
   for got, ref in zip([kept.velocity, kept.second][:len(moments)], moments, strict=True):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
 
 
-def test_dense_level_needs_a_sparse_algorithm_and_a_level_in_range(rng):
-  with pytest.raises(ValueError, match="dense_level=True needs a sparse algorithm"):
-    topk_allreduce(0.1, algorithm="dense", dense_level=True)
+def test_the_dense_form_is_a_level_of_its_own_and_levels_are_checked(rng):
   for dense, bad in ((False, 1), (True, 2)):
-    tx = topk_allreduce(0.1, dense_level=dense)
+    tx = exchange(sparse_collective("hitopk", AXES), density_schedule(0.1, dense_form=dense),
+                  feedback=error_feedback())
     with pytest.raises(ValueError, match=f"density_level must be a Python int in \\[0, {bad}\\)"):
       run_levels(make_mesh(2, 4), tx, [grads_like(rng, 8)], [bad])
-
-
-def test_the_keywords_of_earlier_releases_still_work_with_a_deprecation_warning(rng):
-  """`momentum=`, `nesterov=`, `momentum_masking=`, `adam=`, `node_axis=` and `local_axis=`
-  build the same exchange as `correction=` and `axis_name=`, each with a DeprecationWarning
-  naming the new spelling; mixing the two spellings is refused."""
-  nodes, local = 2, 4
-  seq = [grads_like(rng, nodes * local) for _ in range(3)]
-  mesh = make_mesh(nodes, local)
-  cases = [
-      (dict(momentum=0.9, nesterov=True, momentum_masking=False),
-       dict(correction=MomentumCorrection(0.9, nesterov=True, masking=False)),
-       "correction=MomentumCorrection"),
-      (dict(adam=AdamCorrection(0.9, 0.98, 1e-8)),
-       dict(correction=AdamCorrection(0.9, 0.98, 1e-8)), "correction=AdamCorrection"),
-      (dict(node_axis="node", local_axis="local"), dict(axis_name=("node", "local")),
-       "axis_name=\\('node', 'local'\\)")]
-  for old, new, says in cases:
-    with pytest.warns(DeprecationWarning, match=says):
-      before = topk_allreduce(0.05, selector="exact", **old)
-    got, _ = run_steps(mesh, before, seq)
-    want, _ = run_steps(mesh, topk_allreduce(0.05, selector="exact", **new), seq)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  with pytest.raises(ValueError, match="either correction= or"):
-    topk_allreduce(0.1, correction=MomentumCorrection(0.9), momentum=0.9)
-  with pytest.raises(ValueError, match="either as axis_name or as node_axis"):
-    topk_allreduce(0.1, axis_name=("node", "local"), node_axis="node")

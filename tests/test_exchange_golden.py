@@ -21,8 +21,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import optim
-from sparsejax.compress import topk_allreduce
-from sparsejax.feedback import AdamCorrection, MomentumCorrection
+from sparsejax.comm import sparse_collective
+from sparsejax.compress import (
+  density_schedule,
+  exchange,
+  send_whole,
+  tensor_balance,
+  topk_allreduce,
+)
+from sparsejax.feedback import AdamCorrection, MomentumCorrection, error_feedback
 from sparsejax.flat import FlatLayout
 from sparsejax.train import config as config_lib
 from sparsejax.train import make_plan
@@ -48,38 +55,51 @@ def _whole_flags():
   return layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) <= 1, t))
 
 
-# name -> (topk_allreduce's arguments, the density level of each step (None: the schedule's))
+AXES = ("node", "local")
+
+
+def _exchange(algorithm, density, schedule=None, dense_form=False, correction=None, **options):
+  """`exchange` from its pieces (`feedback=None`: no error feedback)."""
+  feedback = options.pop("feedback", error_feedback(correction))
+  return exchange(sparse_collective(algorithm, AXES),
+                  density_schedule(density, schedule, dense_form), feedback=feedback, **options)
+
+
+# name -> (the transform, the density level of each step (None: the schedule's)), as the study
+# systems use the exchange; the names are the cases recorded
 EXCHANGES = {
-    "hitopk-ef-levels": (dict(density=0.05, algorithm="hitopk",
-                              density_schedule=_warmup(0.8, 0.05, 3)), [2, 1, 0, 0]),
-    "hitopk-ef-switch": (dict(density=0.05, algorithm="hitopk",
-                              density_schedule=_warmup(0.8, 0.05, 3)), [None] * 4),
-    "allgather-ef": (dict(density=0.02, algorithm="allgather"), [0] * 4),
-    "gtopk-ef": (dict(density=0.02, algorithm="gtopk"), [0] * 4),
-    "higtopk-mc": (dict(density=0.02, algorithm="higtopk",
-                        correction=MomentumCorrection(0.9, masking=False)), [0] * 4),
-    "hitopk-mc-nesterov": (dict(density=0.04, algorithm="hitopk",
-                                correction=MomentumCorrection(0.9, nesterov=True)), [0] * 4),
-    "hitopk-adam-after": (dict(density=0.05, algorithm="hitopk",
-                               correction=AdamCorrection(0.0, 0.999, 1e-8)), [0] * 4),
-    "hitopk-adam-before": (dict(density=0.05, algorithm="hitopk",
-                                correction=AdamCorrection(0.9, 0.999, 1e-8)), [0] * 4),
-    "hitopk-dense-start": (dict(density=0.1, algorithm="hitopk", dense_level=True),
-                           [1, 1, 0, 0]),
-    "allgather-mc-dense-levels": (dict(density=0.05, algorithm="allgather",
-                                       correction=MomentumCorrection(0.9, masking=False),
-                                       density_schedule=_warmup(0.8, 0.05, 3), dense_level=True),
-                                  [3, 1, 3, 0]),
-    "allgather-balance": (dict(density=0.05, algorithm="allgather", balance="tensor"), [0] * 4),
-    "hitopk-mc-balance": (dict(density=0.05, algorithm="hitopk", balance="tensor",
-                               correction=MomentumCorrection(0.9)), [0] * 4),
-    "hitopk-whole": (dict(density=0.05, algorithm="hitopk", whole=_whole_flags()), [0] * 4),
-    "gtopk-whole": (dict(density=0.05, algorithm="gtopk", whole=_whole_flags()), [0] * 4),
-    "allgather-exact-no-ef": (dict(density=0.05, algorithm="allgather", selector="exact",
-                                   error_feedback=False), [0] * 4),
-    "hitopk-sampled": (dict(density=0.05, algorithm="hitopk", selector="sampled"), [0] * 4),
-    "dense": (dict(density=1.0, algorithm="dense"), [None] * 4),
-    "hierarchical": (dict(density=1.0, algorithm="hierarchical"), [None] * 4),
+    "hitopk-ef-levels": (lambda: topk_allreduce(0.05, schedule=_warmup(0.8, 0.05, 3)),
+                         [2, 1, 0, 0]),
+    "hitopk-ef-switch": (lambda: topk_allreduce(0.05, schedule=_warmup(0.8, 0.05, 3)),
+                         [None] * 4),
+    "allgather-ef": (lambda: topk_allreduce(0.02, algorithm="allgather"), [0] * 4),
+    "gtopk-ef": (lambda: topk_allreduce(0.02, algorithm="gtopk"), [0] * 4),
+    "higtopk-mc": (lambda: topk_allreduce(0.02, algorithm="higtopk",
+                                          correction=MomentumCorrection(0.9, masking=False)),
+                   [0] * 4),
+    "hitopk-mc-nesterov": (lambda: topk_allreduce(
+        0.04, correction=MomentumCorrection(0.9, nesterov=True)), [0] * 4),
+    "hitopk-adam-after": (lambda: topk_allreduce(
+        0.05, correction=AdamCorrection(0.0, 0.999, 1e-8)), [0] * 4),
+    "hitopk-adam-before": (lambda: topk_allreduce(
+        0.05, correction=AdamCorrection(0.9, 0.999, 1e-8)), [0] * 4),
+    "hitopk-dense-start": (lambda: _exchange("hitopk", 0.1, dense_form=True), [1, 1, 0, 0]),
+    "allgather-mc-dense-levels": (lambda: _exchange(
+        "allgather", 0.05, _warmup(0.8, 0.05, 3), True, MomentumCorrection(0.9, masking=False)),
+        [3, 1, 3, 0]),
+    "allgather-balance": (lambda: _exchange("allgather", 0.05, balance=tensor_balance()),
+                          [0] * 4),
+    "hitopk-mc-balance": (lambda: _exchange("hitopk", 0.05, correction=MomentumCorrection(0.9),
+                                            balance=tensor_balance()), [0] * 4),
+    "hitopk-whole": (lambda: _exchange("hitopk", 0.05, whole=send_whole(_whole_flags())),
+                     [0] * 4),
+    "gtopk-whole": (lambda: _exchange("gtopk", 0.05, whole=send_whole(_whole_flags())),
+                    [0] * 4),
+    "allgather-exact-no-ef": (lambda: _exchange("allgather", 0.05, feedback=None,
+                                                selector="exact"), [0] * 4),
+    "hitopk-sampled": (lambda: topk_allreduce(0.05, selector="sampled"), [0] * 4),
+    "dense": (lambda: topk_allreduce(1.0, algorithm="dense"), [None] * 4),
+    "hierarchical": (lambda: topk_allreduce(1.0, algorithm="hierarchical"), [None] * 4),
 }
 
 _CNN_BEST = {"compression.algorithm": "hitopk", "compression.density": 0.04,
@@ -149,10 +169,10 @@ def _flatten(prefix: str, tree) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("name", sorted(EXCHANGES))
 def test_exchange_is_bit_for_bit_the_recorded_one(name):
-  kwargs, levels = EXCHANGES[name]
+  make, levels = EXCHANGES[name]
   rng = np.random.default_rng(sorted(EXCHANGES).index(name))
   seq = [_tree(rng, (NODES * LOCAL,)) for _ in range(STEPS)]
-  tx = topk_allreduce(**kwargs)
+  tx = make()
 
   def body(*gs):
     state = tx.init(gs[0])

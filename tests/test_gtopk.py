@@ -8,7 +8,7 @@ import pytest
 from conftest import make_mesh, run_workers
 
 from sparsejax import comm, compress
-from sparsejax.feedback import Feedback
+from sparsejax.feedback import Feedback, MomentumCorrection
 
 AXES = ("node", "local")
 
@@ -163,7 +163,7 @@ def test_momentum_correction_through_gtopk(rng, masking):
     fb, totals = Feedback(jnp.zeros(n), jnp.zeros(n)), []
     for v in steps:
       total, fb = comm.gtopk_allreduce(v, k, axes=AXES, residual=fb, select="exact",
-                                       momentum=m, momentum_masking=masking)
+                                       correction=MomentumCorrection(m, masking=masking))
       totals.append(total)
     return totals, fb
 

