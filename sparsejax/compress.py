@@ -48,13 +48,12 @@ from sparsejax.feedback import (
   ErrorFeedback,
   Feedback,
   error_feedback,
-  tensor_weights,
 )
 from sparsejax.flat import FlatLayout
 
 __all__ = ["ExchangeState", "exchange", "topk_allreduce", "dense_mean", "hierarchical_mean",
            "DensitySchedule", "density_schedule", "density_levels", "level_index",
-           "TensorBalance", "tensor_balance", "SendWhole", "send_whole"]
+           "TensorBalance", "tensor_balance", "tensor_weights", "SendWhole", "send_whole"]
 
 
 class ExchangeState(NamedTuple):
@@ -140,6 +139,19 @@ def density_schedule(density: float, schedule: Callable | None = None,
 
 
 # ----------------------------------------------------------------------------- the options
+
+def tensor_weights(candidates: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+  """float32 per-element weights 2^-round(log2(rms of the element's tensor)): scaled by them,
+  every tensor's candidates have an RMS near 1, so one global top-k takes about the same share
+  of each tensor's coordinates (`tensor_balance`). Powers of two: scaling and unscaling are
+  exact. `segments`: int32 tensor id of each element (`FlatLayout.segment_ids`)."""
+  c = candidates.astype(jnp.float32)
+  sq = jax.ops.segment_sum(c * c, segments, num_segments)
+  n = jax.ops.segment_sum(jnp.ones_like(c), segments, num_segments)
+  rms = jnp.sqrt(sq / jnp.maximum(n, 1.0))
+  exponent = jnp.where(rms > 0, -jnp.round(jnp.log2(jnp.where(rms > 0, rms, 1.0))), 0.0)
+  return jnp.exp2(jnp.clip(exponent, -60, 60))[segments]
+
 
 class TensorBalance(NamedTuple):
   """The per-tensor balance piece (`tensor_balance`): the tensor id of each element of the flat
@@ -367,12 +379,6 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     layout = FlatLayout.from_tree(tree, pad_to=local)
     return layout, nodes, local, layout.padded_size // local if hierarchical else layout.padded_size
 
-  def init_fn(params: Any) -> ExchangeState:
-    part = shapes(params)[-1]
-    return ExchangeState(None if feedback is None else feedback.init(part),
-                         jnp.zeros([], jnp.int32), jnp.float32(levels.levels[0]),
-                         jnp.zeros([], jnp.float32))
-
   def update_fn(updates: Any, state: ExchangeState, params: Any = None, *,
                 density_level: int | None = None, **extra_args: Any):
     del params, extra_args
@@ -382,6 +388,11 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
         raise ValueError(f"state residual has shape {r.shape}, expected ({part_len},): "
                          "was init run inside the same shard_map mesh?")
     part = collective.scatter(layout.ravel(updates, jnp.float32))
+
+    index = levels.index(state.count, density_level)
+    density = jnp.asarray(levels.levels + (1.0,), jnp.float32)[index]
+    sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
+                       whole)[index]
 
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
@@ -393,14 +404,17 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
         return _send(pieces, term, memory, level, layout, local)
       return run
 
-    index = levels.index(state.count, density_level)
     runs = [at(level) for level in levels.levels] + [at(None)]
     total, memory = (runs[index](part, state.feedback) if isinstance(index, int)
                      else lax.switch(index, runs[:-1], part, state.feedback))
     return _mean_out(total, nodes * local, layout, updates), ExchangeState(
-        memory, state.count + 1, jnp.asarray(levels.levels + (1.0,), jnp.float32)[index],
-        _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
-                    whole)[index])
+        memory, state.count + 1, density, sent)
+
+  def init_fn(params: Any) -> ExchangeState:
+    part = shapes(params)[-1]
+    return ExchangeState(None if feedback is None else feedback.init(part),
+                         jnp.zeros([], jnp.int32), jnp.float32(levels.levels[0]),
+                         jnp.zeros([], jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -422,36 +436,36 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
   (weighted with `balance`), masks the velocity where sent (with momentum masking; a reduction
   masks where it sent), sums the pairs over the workers, then sends the `whole` positions."""
   collective, part_len = pieces.collective, term.shape[0]
-  if level is None:
-    total = comm.settle_dense(collective, term + memory.residual)
-    return total, memory._replace(residual=jnp.zeros_like(memory.residual))
-  k = max(1, round(level * part_len))
-  topk_lib.check_k(term, k)
-  weights = (None if pieces.balance is None
-             else pieces.balance.weights(term + memory.residual, layout, collective))
-  values, indices, residual = topk_lib.select_feedback(pieces.select, term, memory.residual, k,
-                                                       weights)
-  memory = memory._replace(residual=residual)
-  masking = pieces.feedback.masking
-  if masking and collective.reduce is None:
-    memory = memory._replace(velocity=memory.velocity.at[indices].set(0, unique_indices=True))
-  total, memory = comm.settle(collective, values, indices, memory, part_len, masking)
-  if pieces.whole is not None:
-    total, memory = pieces.whole.send(collective, total, memory, local, masking)
-  return total, memory
+  if level is not None:
+    k = max(1, round(level * part_len))
+    weights = (None if pieces.balance is None
+               else pieces.balance.weights(term + memory.residual, layout, collective))
+    values, indices, residual = topk_lib.select_feedback(pieces.select, term, memory.residual,
+                                                         k, weights)
+    memory = memory._replace(residual=residual)
+    masking = pieces.feedback.masking
+    if masking and collective.reduce is None:
+      memory = memory._replace(velocity=memory.velocity.at[indices].set(0,
+                                                                        unique_indices=True))
+    total, memory = comm.settle(collective, values, indices, memory, part_len, masking)
+    if pieces.whole is not None:
+      total, memory = pieces.whole.send(collective, total, memory, local, masking)
+    return total, memory
+  total = comm.settle_dense(collective, term + memory.residual)
+  return total, memory._replace(residual=jnp.zeros_like(memory.residual))
 
 
 def _unremembered(collective: comm.SparseCollective, select: Callable, part: jax.Array,
                   level: float | None, part_len: int) -> jax.Array:
   """A step without error feedback: the top k of `part` sent, the rest dropped (the dense
   form: all of it)."""
-  if level is None:
-    return comm.settle_dense(collective, part)
-  k = max(1, round(level * part_len))
-  topk_lib.check_k(part, k)
-  values, indices = select(part, k)
-  kept = Feedback(part.at[indices].set(0, unique_indices=True))
-  return comm.settle(collective, values, indices, kept, part_len, False)[0]
+  if level is not None:
+    k = max(1, round(level * part_len))
+    topk_lib.check_k(part, k)
+    values, indices = select(part, k)
+    kept = Feedback(part.at[indices].set(0, unique_indices=True))
+    return comm.settle(collective, values, indices, kept, part_len, False)[0]
+  return comm.settle_dense(collective, part)
 
 
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",

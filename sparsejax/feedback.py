@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Feedback", "MomentumCorrection", "AdamCorrection", "Correction", "ErrorFeedback",
-           "error_feedback", "adam_direction", "tensor_weights", "init_feedback",
-           "check_feedback"]
+           "error_feedback", "adam_direction", "init_feedback", "check_feedback"]
 
 
 class Feedback(NamedTuple):
@@ -83,19 +82,6 @@ def adam_direction(x: jax.Array, feedback: Feedback, adam: AdamCorrection, count
   m_hat = m / (1 - adam.b1 ** t)
   v_hat = v / (1 - adam.b2 ** t)
   return m_hat / (jnp.sqrt(v_hat) + adam.eps), m, v
-
-
-def tensor_weights(candidates: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
-  """float32 per-element weights 2^-round(log2(rms of the element's tensor)): scaled by them,
-  every tensor's candidates have an RMS near 1, so one global top-k takes about the same share
-  of each tensor's coordinates (`compress.tensor_balance`). Powers of two: scaling and unscaling are
-  exact. `segments`: int32 tensor id of each element (`FlatLayout.segment_ids`)."""
-  c = candidates.astype(jnp.float32)
-  sq = jax.ops.segment_sum(c * c, segments, num_segments)
-  n = jax.ops.segment_sum(jnp.ones_like(c), segments, num_segments)
-  rms = jnp.sqrt(sq / jnp.maximum(n, 1.0))
-  exponent = jnp.where(rms > 0, -jnp.round(jnp.log2(jnp.where(rms > 0, rms, 1.0))), 0.0)
-  return jnp.exp2(jnp.clip(exponent, -60, 60))[segments]
 
 
 def init_feedback(length: int, momentum: float = 0.0, adam: bool = False) -> Feedback:

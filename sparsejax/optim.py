@@ -617,9 +617,9 @@ def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_
   weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
   trust_coefficient = _check_scalar("trust_coefficient", trust_coefficient, 0.0)
   eps = _check_scalar("eps", eps, 0.0)
-  plan = _make_plan(layout, _check_mask("weight_decay_mask", weight_decay_mask),
-                    _check_mask("trust_ratio_mask", trust_ratio_mask),
-                    decay_mask_name="weight_decay_mask")
+  decay_mask = _check_mask("weight_decay_mask", weight_decay_mask)
+  trust_mask = _check_mask("trust_ratio_mask", trust_ratio_mask)
+  plan = _make_plan(layout, decay_mask, trust_mask, decay_mask_name="weight_decay_mask")
 
   def direction(g: jax.Array, p: jax.Array) -> jax.Array:
     g, p = g.astype(jnp.float32), p.astype(jnp.float32)

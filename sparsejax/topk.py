@@ -392,6 +392,7 @@ def select_feedback(select: str | Selector, x: jax.Array, residual: jax.Array, k
   largest |weights * acc| are selected; values and the new residual are acc's own. Returns
   `(values, indices, new_residual)` with `values = acc[indices]`.
   """
+  check_k(x, k)
   if weights is not None:
     values, indices, kept = select_feedback(select, x * weights, residual * weights, k)
     return values / weights[indices], indices, kept / weights

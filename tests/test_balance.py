@@ -8,8 +8,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sparsejax.comm import sparse_collective
-from sparsejax.compress import density_schedule, exchange, tensor_balance, topk_allreduce
-from sparsejax.feedback import AdamCorrection, MomentumCorrection, error_feedback, tensor_weights
+from sparsejax.compress import (
+  density_schedule,
+  exchange,
+  tensor_balance,
+  tensor_weights,
+  topk_allreduce,
+)
+from sparsejax.feedback import AdamCorrection, MomentumCorrection, error_feedback
 from tests.conftest import make_mesh
 
 

@@ -44,8 +44,9 @@ from sparsejax.train.mesh import WORKERS
 __all__ = ["build_optimizer", "Split", "split", "MomentumCorrection", "momentum_correction",
            "compressor",
            "fused_optimizer", "weight_decay_first", "lars_first", "learning_rate_first",
-           "train_chain", "optimizer_behind_exchange", "decay_mask", "NormState", "record_norm",
-           "ChainState", "named_chain", "chain_parts", "replace_parts", "TRUST_RATIOS"]
+           "train_chain", "optimizer_behind_exchange", "decay_mask", "FUSED", "NormState",
+           "record_norm", "ChainState", "named_chain", "chain_parts", "replace_parts",
+           "TRUST_RATIOS"]
 
 # lars_first's trust ratio: each worker's own, or the workers' mean's (sketched)
 TRUST_RATIOS = ("worker", "mean")
@@ -141,38 +142,43 @@ def compressor(config: Any, plan: Any, correction: Correction | None = None,
     raise ValueError("experimental.whole_vectors and balance='tensor' need the flat layout "
                      "(layout=)")
   # the leaves of one dimension or none: BatchNorm's scales and biases, the biases
-  whole = (send_whole(layout.leaf_mask(lambda tree: jax.tree.map(lambda x: len(x.shape) <= 1,
-                                                                  tree)))
+  whole = (send_whole(layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) <= 1, t)))
            if e.whole_vectors else None)
-  return exchange(comm.sparse_collective(plan.algorithm, WORKERS),
-                  density_schedule(c.density, plan.density_schedule(), plan.dense_form),
-                  feedback=error_feedback(correction) if c.error_feedback else None,
-                  selector=c.selector,
-                  balance=tensor_balance(layout.segment_ids) if e.balance == "tensor" else None,
+  balance = tensor_balance(layout.segment_ids) if e.balance == "tensor" else None
+  levels = density_schedule(c.density, plan.density_schedule(), plan.dense_form)
+  collective = comm.sparse_collective(plan.algorithm, WORKERS)
+  feedback = error_feedback(correction) if c.error_feedback else None
+  return exchange(collective, levels, feedback=feedback, selector=c.selector, balance=balance,
                   whole=whole)
+
+
+# the fused optimizers by the config's `optimizer.name`, and each one's hyper-parameters from
+# the `optimizer` group (`freeze`: adamw's second moment frozen from this step, 0: never)
+FUSED = {"sgd": optim.fused_sgd, "lars": optim.fused_lars, "lamb": optim.fused_lamb,
+         "adamw": optim.fused_adamw}
+_HYPER = {
+    "sgd": lambda o, freeze: dict(momentum=o.momentum or None, nesterov=o.nesterov,
+                                  weight_decay=o.weight_decay, weight_decay_mask=decay_mask),
+    "lars": lambda o, freeze: dict(weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
+                                   trust_coefficient=o.trust_coefficient,
+                                   trust_ratio_mask=decay_mask, momentum=o.momentum,
+                                   nesterov=o.nesterov),
+    "lamb": lambda o, freeze: dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                                   mask=decay_mask),
+    "adamw": lambda o, freeze: dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                                    mask=decay_mask, freeze_variance_after=freeze or None),
+}
 
 
 def fused_optimizer(opt: Any, learning_rate: optax.ScalarOrSchedule, layout: FlatLayout,
                     freeze_variance_step: int = 0) -> optax.GradientTransformation:
-  """The fused optimizer of the config's `optimizer` group, on the flat face of `layout`
-  (`freeze_variance_step`: adamw's second moment frozen from this step, 0: never)."""
-  if opt.name == "sgd":
-    return optim.fused_sgd(learning_rate, momentum=opt.momentum or None, nesterov=opt.nesterov,
-                           weight_decay=opt.weight_decay, weight_decay_mask=decay_mask,
-                           layout=layout)
-  if opt.name == "lars":
-    return optim.fused_lars(learning_rate, weight_decay=opt.weight_decay,
-                            weight_decay_mask=decay_mask, trust_coefficient=opt.trust_coefficient,
-                            trust_ratio_mask=decay_mask, momentum=opt.momentum,
-                            nesterov=opt.nesterov, layout=layout)
-  if opt.name == "lamb":
-    return optim.fused_lamb(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                            weight_decay=opt.weight_decay, mask=decay_mask, layout=layout)
-  if opt.name == "adamw":
-    return optim.fused_adamw(learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay, mask=decay_mask,
-                             freeze_variance_after=freeze_variance_step or None, layout=layout)
-  raise ValueError(f"unknown optimizer {opt.name!r}; allowed: sgd, lars, lamb, adamw")
+  """The fused optimizer of the config's `optimizer` group (`FUSED[opt.name]`), on the flat
+  face of `layout` (`freeze_variance_step`: adamw's second moment frozen from this step, 0:
+  never)."""
+  if opt.name not in FUSED:
+    raise ValueError(f"unknown optimizer {opt.name!r}; allowed: {', '.join(FUSED)}")
+  return FUSED[opt.name](learning_rate, layout=layout,
+                         **_HYPER[opt.name](opt, freeze_variance_step))
 
 
 def weight_decay_first(inner: optax.GradientTransformation, weight_decay: float,
@@ -239,7 +245,8 @@ def train_chain(compress: optax.GradientTransformation,
   """`apply_if_finite_across(named_chain(compress, optimizer), WORKERS)`: the shape of every
   chain the trainer runs; its `inner_state` is a `ChainState` (`TrainState.comm_state` is its
   `exchange` part)."""
-  return apply_if_finite_across(named_chain(compress, optimizer), WORKERS)
+  chain = named_chain(compress, optimizer)
+  return apply_if_finite_across(chain, WORKERS)
 
 
 class Split(NamedTuple):
@@ -292,6 +299,8 @@ def build_optimizer(config: Any, plan: Any, layout: FlatLayout) -> optax.Gradien
   the optimizer behind it."""
   learning_rate = schedules.learning_rate(config.optimizer, plan)
   s, o = split(config, plan), config.optimizer
+  rate = 1.0 if s.rate_first else _scaled(learning_rate, s.rate_scale)
+  behind = fused_optimizer(s.behind, rate, layout, plan.freeze_variance_step)
   exchange = compressor(config, plan, s.correction, layout)
   if s.rate_first:
     exchange = learning_rate_first(exchange, learning_rate)
@@ -300,9 +309,7 @@ def build_optimizer(config: Any, plan: Any, layout: FlatLayout) -> optax.Gradien
   elif s.front == "lars":
     exchange = lars_first(exchange, o.weight_decay, o.trust_coefficient, layout,
                           config.experimental.lars_trust_ratio)
-  rate = 1.0 if s.rate_first else _scaled(learning_rate, s.rate_scale)
-  return train_chain(exchange, fused_optimizer(s.behind, rate, layout,
-                                               plan.freeze_variance_step))
+  return train_chain(exchange, behind)
 
 
 def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:

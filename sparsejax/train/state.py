@@ -201,10 +201,12 @@ def from_config(config: Any, plan: Any, mesh: Mesh, num_classes: int, example: A
                 ) -> tuple[TrainSetup, TrainState]:
   """The setup and fresh state a validated config describes for its `plan`
   (`sparsejax.train.plan`): model, whole optimizer chain (`optimizer.build_optimizer`)."""
+  learning_rate = schedules.learning_rate(config.optimizer, plan)
+  model = build_model(config, num_classes)
+
   def make_tx(layout: FlatLayout) -> optax.GradientTransformation:
     return optimizer_lib.build_optimizer(config, plan, layout)
 
-  return create_train_state(
-      build_model(config, num_classes), mesh, example, make_tx, seed=config.seed,
-      num_classes=num_classes, label_smoothing=config.label_smoothing,
-      learning_rate=schedules.learning_rate(config.optimizer, plan))
+  return create_train_state(model, mesh, example, make_tx, seed=config.seed,
+                            num_classes=num_classes, label_smoothing=config.label_smoothing,
+                            learning_rate=learning_rate)
