@@ -263,6 +263,7 @@ def test_pickled_copies_share_counters_and_disk(tmp_path):
   assert s["disk"]["hits"] == 4 and s["source"]["reads"] == 8
 
 
+@pytest.mark.integration  # end to end: grain's worker processes (about 10 s)
 def test_works_with_grain_multiprocess_workers(tmp_path):
   n = 24
   cache = TieredCache(Source(n), memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)

@@ -189,6 +189,7 @@ def same_metrics(got_dir, want_dir):
       assert w == g, (name, w, g)
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_a_run_resumes_from_the_newest_intact_checkpoint(full_run, tmp_path, capsys):
   workdir, summary = full_run
   resumed = str(tmp_path / "resumed")
@@ -206,6 +207,7 @@ def test_a_run_resumes_from_the_newest_intact_checkpoint(full_run, tmp_path, cap
   assert sorted(os.listdir(os.path.join(resumed, "checkpoints"))) == ["10", "20", "22", DAMAGED]
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_cli_says_in_one_line_that_no_checkpoint_is_intact(full_run, tmp_path):
   workdir, _ = full_run
   broken = tmp_path / "broken"
@@ -220,6 +222,7 @@ def test_cli_says_in_one_line_that_no_checkpoint_is_intact(full_run, tmp_path):
   assert "no intact checkpoint" in lines[0] and f"step 10 ({rel}: contents changed" in lines[0]
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_sigterm_saves_the_step_in_flight_and_the_run_resumes_exactly(full_run, tmp_path):
   workdir, _ = full_run
   run = tmp_path / "preempted"

@@ -183,6 +183,7 @@ def _dense():
   return config
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_both_placements_compute_the_same_run():
   """HiTopKComm with error feedback and AdamW through a density warm-up: the two placements
   (one program; two devices per worker) give the same parameters and residuals."""
@@ -208,6 +209,7 @@ def test_both_placements_compute_the_same_run():
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 @pytest.mark.parametrize("predict", ["", "local"])
 def test_a_resumed_pipelined_run_equals_the_uninterrupted_run(tmp_path, predict):
   """The pending gradient travels in the checkpoint: killed after step 10, resumed, the run

@@ -61,7 +61,9 @@ def test_optimizers_example_matches_optax():
 
 
 def test_docs_links_point_at_files_that_exist():
-  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+           *sorted((ROOT / "studies").glob("*/README.md")), ROOT / "benchmarks" / "README.md",
+           ROOT / "configs" / "README.md"]
   for page in pages:
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
       if not target.startswith("http"):

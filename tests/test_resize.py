@@ -68,6 +68,7 @@ def build(config, nodes, local):
   return mesh, *from_config(config, make_plan(config, 10), mesh, 10, (8, 8, 1))
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 @pytest.mark.parametrize("algorithm", ["hitopk", "allgather"])
 def test_a_checkpoint_of_4_workers_resumes_on_2_and_on_8(tmp_path, algorithm):
   config = small_config(algorithm)

@@ -105,6 +105,7 @@ def test_text_inputs_batches_are_shifted_token_sequences(tmp_path):
   assert sum(w.sum() for _, _, w in batches) == len(data.val_seqs) > 0
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_a_transformer_lm_trains_on_kjv_through_the_loop(tmp_path):
   summary = train_and_evaluate(lm_config(tmp_path), str(tmp_path / "run"), progress=False)
   assert summary["steps"] == summary["total_steps"] >= 3

@@ -52,6 +52,7 @@ def full_run(tmp_path_factory):
   return workdir, summary
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_run_writes_metrics_events_summary_and_checkpoints(full_run):
   workdir, summary = full_run
   train_rows = read_csv(os.path.join(workdir, "train.csv"))
@@ -77,6 +78,7 @@ def test_run_writes_metrics_events_summary_and_checkpoints(full_run):
   assert summary["best_eval"]["accuracy"] >= summary["final_eval"]["accuracy"]
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_resumed_run_has_exactly_the_metrics_of_the_uninterrupted_run(full_run, tmp_path):
   workdir, _ = full_run
   resumed = str(tmp_path / "resumed")
@@ -94,6 +96,7 @@ def test_resumed_run_has_exactly_the_metrics_of_the_uninterrupted_run(full_run, 
 
 @pytest.mark.parametrize("decay_in", [
     "optimizer", pytest.param("gradient", marks=pytest.mark.slow)])  # slow: CI's 15-min budget
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_dense_density_one_equals_plain_optax_with_pmean(rng, decay_in):
   """The trainer with the dense all-reduce and the fused SGD gives the loss curve of a plain
   shard_map step: optax.sgd on the pytree after a pmean of the gradients. The weight decay is
@@ -195,6 +198,7 @@ def test_workdir_that_is_not_writable(tmp_path):
     train_and_evaluate(small_config(), str(blocker / "run"), progress=False)
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_non_finite_gradients_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
   def poisoned(seed, path):
     train, test = data_lib.digits(seed)
@@ -213,6 +217,7 @@ def test_non_finite_gradients_are_skipped_and_stop_the_run(tmp_path, monkeypatch
   assert os.listdir(os.path.join(tmp_path, "checkpoints")) == ["2"]
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path, monkeypatch):
   real_batch = data_lib.EpochBatcher.batch
 
@@ -259,6 +264,7 @@ def test_checkpoints_hold_zero_size_arrays(tmp_path):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
   """compression.momentum_correction: the fused SGD runs without momentum, the compressor keeps
   a velocity beside the residual (Nesterov as configured), training runs, and the state survives
@@ -350,6 +356,7 @@ def _lars_moves(batch_of, common=(), **option):
 
 @pytest.mark.parametrize("nesterov,feedback_in", [(False, "gradients"), (True, "gradients"),
                                                   (False, "steps")])
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov, feedback_in):
   """LARS with momentum correction (each worker's decay and trust ratio in front of the
   compressor, its momentum in it, a plain SGD behind it): with every coordinate sent (density 1,
@@ -370,6 +377,7 @@ def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nester
   np.testing.assert_allclose(corrected, dense, rtol=1e-3, atol=1e-4 * np.abs(dense).max())
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 @pytest.mark.parametrize("trust_ratio", ["worker", "mean"])
 def test_lars_with_momentum_correction_takes_the_mean_gradient_s_trust_ratio(trust_ratio):
   """Every worker a different batch (so each worker's gradient is noisier than the mean): with
@@ -390,6 +398,7 @@ def test_lars_with_momentum_correction_takes_the_mean_gradient_s_trust_ratio(tru
     assert error > 0.2, error
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_whole_vectors_send_the_one_dimensional_leaves_whole():
   """experimental.whole_vectors: in the trainer's sparse exchange with momentum correction,
   after each step no worker holds anything back on BatchNorm's scales and biases (leaves of

@@ -87,6 +87,7 @@ def test_tfds_pairs_reads_a_prepared_translation_dataset(tmp_path):
     translation.tfds_pairs(data_dir=str(tmp_path / "empty"), split="train")
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_encoder_decoder_learns_a_generated_translation_task(tmp_path):
   corpus = tmp_path / "pairs.tsv"
   generated_corpus(corpus)
