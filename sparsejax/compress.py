@@ -397,8 +397,12 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
       def run(part: jax.Array, memory: Feedback | None):
+        if feedback is None and level is None:  # no memory: everything, or the top k sent
+          return comm.settle_dense(collective, part), None
         if feedback is None:
-          return _unremembered(collective, select, part, level, part_len), None
+          values, indices = select(part, max(1, round(level * part_len)))
+          kept = Feedback(part.at[indices].set(0, unique_indices=True))
+          return comm.settle(collective, values, indices, kept, part_len, False)[0], None
         term, memory = feedback.candidates(part, memory, state.count,
                                            local if hierarchical else 1)
         return _send(pieces, term, memory, level, layout, local)
@@ -453,19 +457,6 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
     return total, memory
   total = comm.settle_dense(collective, term + memory.residual)
   return total, memory._replace(residual=jnp.zeros_like(memory.residual))
-
-
-def _unremembered(collective: comm.SparseCollective, select: Callable, part: jax.Array,
-                  level: float | None, part_len: int) -> jax.Array:
-  """A step without error feedback: the top k of `part` sent, the rest dropped (the dense
-  form: all of it)."""
-  if level is not None:
-    k = max(1, round(level * part_len))
-    topk_lib.check_k(part, k)
-    values, indices = select(part, k)
-    kept = Feedback(part.at[indices].set(0, unique_indices=True))
-    return comm.settle(collective, values, indices, kept, part_len, False)[0]
-  return comm.settle_dense(collective, part)
 
 
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",

@@ -354,8 +354,9 @@ def _lars_moves(batch_of, common=(), **option):
   return moves
 
 
-@pytest.mark.parametrize("nesterov,feedback_in", [(False, "gradients"), (True, "gradients"),
-                                                  (False, "steps")])
+@pytest.mark.parametrize("nesterov,feedback_in", [  # (slow: CI's 15-minute budget)
+    (False, "gradients"), pytest.param(True, "gradients", marks=pytest.mark.slow),
+    pytest.param(False, "steps", marks=pytest.mark.slow)])
 @pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_lars_with_momentum_correction_is_lars_where_nothing_is_held_back(nesterov, feedback_in):
   """LARS with momentum correction (each worker's decay and trust ratio in front of the
