@@ -115,3 +115,22 @@ def test_the_learning_rate_warms_up_over_the_plan_s_steps_then_decays_to_the_end
   assert float(lr(31)) == pytest.approx(0.2)  # step 31: epoch 1.0
   assert float(lr(47)) == pytest.approx(0.02)  # step 47: epoch 1.52
   assert plan.total_steps == math.ceil(2.0 * 31)
+
+
+def test_only_the_plan_turns_epochs_into_steps():
+  """Every duration in epochs becomes steps in `plan.steps` alone: no other module of the
+  library, the studies or the benchmarks multiplies epochs by steps per epoch."""
+  import os
+  import re
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  pattern = re.compile(r"epochs?\w*\s*\*\s*[\w.()]*steps_per_epoch"
+                       r"|steps_per_epoch\s*\*\s*[\w.]*epoch")
+  found = []
+  for top in ("sparsejax", "studies", "benchmarks"):
+    for folder, _, names in os.walk(os.path.join(root, top)):
+      for name in names:
+        path = os.path.join(folder, name)
+        if name.endswith(".py") and not path.endswith(os.path.join("train", "plan.py")):
+          found += [f"{os.path.relpath(path, root)}: {m.group(0)}"
+                    for m in pattern.finditer(open(path).read())]
+  assert not found, found

@@ -130,10 +130,10 @@ def main(argv=None) -> int:
   import jax
   jax.config.update("jax_num_cpu_devices", config.mesh.nodes * config.mesh.local)
   from sparsejax import data as data_lib
+  from sparsejax.train import make_plan
   names, sizes, per_step, windows = trace(config, args.steps, args.window)
-  steps_per_epoch = data_lib.open_inputs(config).steps_per_epoch
-  after = min(int(np.ceil(config.compression.warmup_epochs * steps_per_epoch)),
-              per_step.shape[0] - 1)
+  plan = make_plan(config, data_lib.open_inputs(config).steps_per_epoch)
+  after = min(plan.warmup_steps_density, per_step.shape[0] - 1)  # the density warm-up's end
   results = {"meta": {
       "task": f"{config.model.name} on {config.data.name}", "config": portable_path(args.config),
       "sets": args.sets, "system": f"{config.compression.algorithm} "

@@ -230,13 +230,14 @@ def main(argv=None) -> int:
              f"{args.runs}, {args.at}")
   from sparsejax import data as data_lib
   from sparsejax.train import config as config_lib
+  from sparsejax.train import make_plan
   config = config_lib.validate(config_lib.apply_overrides(config_lib.load_config(args.config),
                                                           args.sets))
   for workers in (args.nodes, args.nodes - 1):
     if config.batch_size % workers:
       ap.error(f"batch_size {config.batch_size} must divide by {args.nodes} and "
                f"{args.nodes - 1} workers (set it with --set batch_size=...)")
-  total = max(1, round(config.num_epochs * data_lib.open_inputs(config).steps_per_epoch))
+  total = make_plan(config, data_lib.open_inputs(config).steps_per_epoch).total_steps
   results: dict[str, Any] = {"meta": {
       "task": f"{config.model.name} on {config.data.name}", "nodes": args.nodes, "at": args.at,
       "rate": args.rate, "runs": args.runs, "total_steps": total, "target": config.target_value,
