@@ -318,6 +318,7 @@ def _python(code: str, *args: str, **popen) -> subprocess.Popen:
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
+@pytest.mark.integration  # end to end: two processes
 def test_two_processes_writing_one_directory_keep_the_byte_count_exact(tmp_path):
   """Both write (and evict); one reopens its cache every other record (a grain worker starting,
   a copy unpickled) while the other writes on. Neither loses the other's bytes: the count each

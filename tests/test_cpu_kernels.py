@@ -134,6 +134,7 @@ def test_lowered_for_a_gpu_the_update_is_xla(layout):
   assert "sparsejax_fused" not in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.integration  # end to end: a process of its own for each (about 3 s)
 @pytest.mark.parametrize("cxx,why", [("", "no C++ compiler"), ("/bin/false", "failed")])
 def test_without_a_compiler_the_xla_path_is_used(tmp_path, cxx, why):
   """No compiler, or one that fails, and an empty cache: a warning naming why, the XLA path."""

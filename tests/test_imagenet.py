@@ -73,6 +73,7 @@ def test_a_restored_pipeline_gives_the_same_batches(prepared):
     np.testing.assert_array_equal(labels, uninterrupted[s][1])
 
 
+@pytest.mark.integration  # end to end: grain's worker processes
 def test_grain_worker_processes_give_the_same_batches(prepared):
   data_dir, _, root = prepared
   _, serial = make(data_dir, root, tag="serial")

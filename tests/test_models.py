@@ -91,7 +91,7 @@ def test_transformer_parameter_counts(name, pre_ln, count, leaves):
 @pytest.mark.parametrize("name,positions,pre_ln", [
     pytest.param("transformer_base", "sinusoidal", False,
                  marks=pytest.mark.integration),  # (about 20 s to compile on 2 cores)
-    ("transformer_lm", "learned", True)])
+    pytest.param("transformer_lm", "learned", True, marks=pytest.mark.integration)])
 def test_one_sharded_train_step_for_the_transformers(rng, name, positions, pre_ln):
   """Tiny encoder-decoder and decoder-only models: one step on 8 devices with HiTopKComm and
   fused AdamW; padding tokens (0) are not counted; dropout keys differ per worker."""

@@ -58,9 +58,10 @@ def _pipelined(placement, make_tx, steps, level_of=lambda step: None, start=0, p
   return setup, params0, state, counts, model, batches
 
 
-@pytest.mark.parametrize("placement,start,predict", [
-    ("program", 0, ""), ("device", 0, ""), ("device", 2, ""), ("program", 0, "last"),
-    ("device", 2, "last")])
+@pytest.mark.parametrize("placement,start,predict", [  # (the rest: the integration tier)
+    ("program", 0, ""), pytest.param("device", 0, "", marks=pytest.mark.integration),
+    pytest.param("device", 2, "", marks=pytest.mark.integration),
+    pytest.param("program", 0, "last", marks=pytest.mark.integration), ("device", 2, "last")])
 def test_each_gradient_is_applied_one_step_late(placement, start, predict):
   """Dense SGD, pipelined from step `start` (unpipelined before): the gradient of step t is
   taken at the parameters before the update of step t-1's gradient (with `predict` "last", at
@@ -110,7 +111,8 @@ def _model_loss(model, setup):
   return jax.jit(jax.grad(loss))
 
 
-@pytest.mark.parametrize("placement,start", [("program", 0), ("device", 2)])
+@pytest.mark.parametrize("placement,start", [  # (the rest: the integration tier)
+    ("program", 0), pytest.param("device", 2, marks=pytest.mark.integration)])
 def test_local_prediction_takes_each_gradient_where_its_own_update_would_land(placement, start):
   """Dense Adam, weight prediction "local": each worker's gradient of step t is taken at the
   parameters plus the update Adam (its state before step t-1's gradient is applied) makes of

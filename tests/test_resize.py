@@ -107,6 +107,7 @@ def test_a_checkpoint_of_4_workers_resumes_on_2_and_on_8(tmp_path, algorithm):
   ckpt.close()
 
 
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
   config = small_config("hitopk")
   _, _, state = build(config, 2, 2)
