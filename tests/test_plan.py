@@ -134,3 +134,42 @@ def test_only_the_plan_turns_epochs_into_steps():
           found += [f"{os.path.relpath(path, root)}: {m.group(0)}"
                     for m in pattern.finditer(open(path).read())]
   assert not found, found
+
+
+@pytest.mark.parametrize("algorithm,nodes,local", [("hitopk", 2, 4), ("hitopk", 16, 1),
+                                                   ("allgather", 8, 1), ("allgather", 2, 3),
+                                                   ("gtopk", 16, 1), ("higtopk", 4, 2)])
+def test_no_level_sends_more_bytes_than_the_dense_form(algorithm, nodes, local):
+  """A level whose pairs would cost more bytes than the dense form at the run's workers runs
+  the dense form: against the ring formulas in numpy (TopK all-gather: (P - 1) k pairs of 8
+  bytes against a ring all-reduce's 2 (P - 1) / P n values of 4; HiTopKComm: the same between
+  the nodes on a shard of n / local; gTop-k: log2 P rounds of k pairs, k indices to the
+  workers past the power of two, an all-reduce of k values)."""
+  config = _config(**{"compression.algorithm": algorithm, "compression.density": 0.01,
+                      "compression.warmup_epochs": 1.0, "compression.warmup_density": 1.0,
+                      "mesh.nodes": nodes, "mesh.local": local, "num_epochs": 2.0})
+  plan = make_plan(config, 1000)
+  part = 1 << 20
+  p, q = (nodes, nodes) if algorithm in ("hitopk", "higtopk") else (nodes * local, nodes * local)
+  dense = 2 * (p - 1) / p * part * 4
+  rounds = int(math.log2(1 << (q.bit_length() - 1)))
+  for i, d in enumerate(plan.levels):
+    k = max(1, round(d * part))
+    if algorithm in ("hitopk", "allgather"):
+      pairs = (p - 1) * k * 8
+    else:
+      pairs = rounds * k * 8 + (q > (1 << rounds)) * k * 4 + 2 * (q - 1) / q * k * 4
+    assert (i in plan.dense_levels) == (pairs > dense), (d, pairs, dense)
+  for s in range(plan.total_steps):  # the steps at those levels run the dense form's level
+    want = plan.dense_level if plan.sparse_level(s) in plan.dense_levels else plan.sparse_level(s)
+    assert plan.level(s) == want
+  assert plan.dense_form and plan.levels[-1] == 1.0 and len(plan.levels) - 1 in plan.dense_levels
+  assert all("run the dense form" in n and f"{nodes} x {local}" in n for n in plan.notes())
+  assert len(plan.notes()) == len(plan.dense_levels)
+
+
+def test_levels_are_kept_where_the_workers_are_not_known():
+  config = _config(**{"compression.warmup_epochs": 1.0, "mesh.nodes": -1, "mesh.local": 4})
+  plan = make_plan(config, 100)
+  assert plan.workers is None and plan.dense_levels == () and not plan.dense_form
+  assert make_plan(config, 100, (2, 4)).dense_levels == (len(plan.levels) - 2,)  # 0.64 > 1/2

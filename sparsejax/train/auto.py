@@ -439,7 +439,8 @@ class AutoExchange:
     self.compression, self.options = c, config.auto
     self.plan = plan
     self.setup = setup
-    self.sparse_level, self.dense_level = plan.sparse_level, plan.dense_level
+    # the sparse form's level by step (the dense form's where its pairs would send more)
+    self.sparse_level, self.dense_level = plan.sparse_form_level, plan.dense_level
     self.levels = plan.levels  # the sparse form's, by level
     self.history = history
     self.total_steps = plan.total_steps

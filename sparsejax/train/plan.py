@@ -11,6 +11,12 @@ the exchange's form (dense or sparse, or measured by `auto`), the sparse form's 
 (the density warm-up's, rounded up to static levels) and the image size. The loop, the
 optimizer chain, `auto`, the pipelined exchange and the studies read the plan, never the raw
 config's epochs.
+
+Never more bytes than dense: a density level whose (value, index) pairs would send more bytes
+than the exchange's dense form at the run's workers (`comm.wire_bytes`; at P nodes, about a
+density over 1/P) runs the dense form instead, every candidate all-reduced and the residual
+emptied (`Plan.dense_levels`, said in `Plan.notes`): a density warm-up then never costs more
+than a dense step.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class Plan:
   stages: ((first step, image size or None), ...): progressive resizing.
   stage_ends: the steps after which a stage ends (evaluated with `eval_at_stage_boundaries`).
   pipeline_start: the first pipelined step (`overlap.from_epochs`).
+  workers: (nodes, local) the exchange's bytes are counted at (None: not known, no level is
+    replaced). dense_levels: the sparse levels whose pairs would send more bytes than the dense
+    form at `workers`: they run the dense form.
   """
 
   steps_per_epoch: int
@@ -88,6 +97,8 @@ class Plan:
   stages: tuple[tuple[int, int | None], ...]
   stage_ends: tuple[int, ...]
   pipeline_start: int
+  workers: tuple[int, int] | None = None
+  dense_levels: tuple[int, ...] = ()
 
   def steps(self, epochs: float) -> int:
     """`steps(epochs, self.steps_per_epoch)`."""
@@ -113,8 +124,14 @@ class Plan:
     return at(self.forms, step)
 
   def sparse_level(self, step: int) -> int:
-    """The sparse form's density level index at `step`."""
+    """The sparse form's density level index at `step` (the schedule's)."""
     return at(self.level_steps, step)
+
+  def sparse_form_level(self, step: int) -> int:
+    """The level the sparse form runs at `step`: its density level, or the dense form's where
+    that level's pairs would send more bytes than a dense exchange (`dense_levels`)."""
+    level = self.sparse_level(step)
+    return self.dense_level if level in self.dense_levels else level
 
   def level(self, step: int) -> int | None:
     """The compressor's level at `step` for the forms fixed by step (the dense form's in a
@@ -122,7 +139,20 @@ class Plan:
     dense algorithm (nothing to choose)."""
     if not self.sparse:
       return None
-    return self.dense_level if self.form(step) == "dense" else self.sparse_level(step)
+    return self.dense_level if self.form(step) == "dense" else self.sparse_form_level(step)
+
+  def notes(self) -> list[str]:
+    """What the plan changed of the config, in words (for the log): the levels that run the
+    dense form, with the steps they span."""
+    out = []
+    ends = [first for first, _ in self.level_steps[1:]] + [self.total_steps]
+    for (first, level), end in zip(self.level_steps, ends, strict=True):
+      if level in self.dense_levels and first < end:
+        nodes, local = self.workers
+        out.append(f"density {self.levels[level]:g} (steps {first}-{end - 1}): its pairs would "
+                   f"send more bytes than the dense form at {nodes} x {local} workers; those "
+                   "steps run the dense form")
+    return out
 
   def image_size(self, step: int) -> int | None:
     """The image size step `step` trains at (None: the data's own)."""
@@ -180,8 +210,31 @@ def _stages(resize_schedule: Any, spe: int, total: int) -> tuple[tuple[int, int 
   return tuple(table) or ((0, None),)
 
 
-def make_plan(config: Any, steps_per_epoch: int) -> Plan:
-  """The plan of a validated config for data of `steps_per_epoch` global batches an epoch."""
+def _denser_than_dense(algorithm: str, levels: tuple[float, ...],
+                       workers: tuple[int, int] | None) -> tuple[int, ...]:
+  """The levels whose pairs would send more bytes than the dense form of `algorithm` at
+  `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the ratio does not
+  depend on the buffer but through k's rounding)."""
+  if workers is None or algorithm not in comm.SPARSE_ALGORITHMS:
+    return ()
+  nodes, local = workers
+  shard = 1 << 20
+  n = shard * (local if algorithm in comm.HIERARCHICAL_ALGORITHMS else 1)
+  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
+  out = []
+  for i, d in enumerate(levels):
+    pairs = comm.wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes, local=local)
+    if pairs["inter"] + pairs["intra"] > dense["inter"] + dense["intra"]:
+      out.append(i)
+  return tuple(out)
+
+
+def make_plan(config: Any, steps_per_epoch: int,
+              workers: tuple[int, int] | None = None) -> Plan:
+  """The plan of a validated config for data of `steps_per_epoch` global batches an epoch, on
+  `workers` = (nodes, local) (default: the config's mesh where both sizes are set)."""
+  if workers is None and config.mesh.nodes >= 1 and config.mesh.local >= 1:
+    workers = (config.mesh.nodes, config.mesh.local)
   spe = steps_per_epoch
   total = max(1, steps(config.num_epochs, spe))
   o, c = config.optimizer, config.compression
@@ -203,5 +256,9 @@ def make_plan(config: Any, steps_per_epoch: int) -> Plan:
       level_steps=((0, 0),), stages=stages,
       stage_ends=tuple(s for s, _ in stages[1:]) if config.eval_at_stage_boundaries else (),
       pipeline_start=steps(config.overlap.from_epochs, spe))
-  return dataclasses.replace(plan, level_steps=_level_steps(
-      levels, plan.density_schedule(), min(density_warmup, total - 1)))
+  level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
+  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers)
+                       if any(level == i for _, level in level_steps))
+  return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
+                             dense_levels=dense_levels,
+                             dense_form=plan.dense_form or bool(dense_levels))

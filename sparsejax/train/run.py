@@ -72,7 +72,11 @@ class Run:
       raise ValueError(f"global batch_size {config.batch_size} is not divisible by the "
                        f"{self.mesh.size} devices of the mesh")
     self.data = data_lib.open_inputs(config)
-    self.plan: Plan = make_plan(config, self.data.steps_per_epoch)
+    self.plan: Plan = make_plan(config, self.data.steps_per_epoch,
+                                (self.mesh.shape["node"], self.mesh.shape["local"]))
+    if jax.process_index() == 0:
+      for note in self.plan.notes():
+        print(f"sparsejax plan: {note}", flush=True)
     self._size = self.plan.image_size(0)
     self.setup, self.state = from_config(config, self.plan, self.mesh, self.data.num_classes,
                                          self.data.example(self._size))
