@@ -35,6 +35,7 @@ from jax import lax
 
 from sparsejax import cpu_kernels
 from sparsejax import topk as topk_lib
+from sparsejax import wire as wire_lib
 from sparsejax.feedback import (
   Correction,
   Feedback,
@@ -193,6 +194,8 @@ class SparseCollective(NamedTuple):
     `kept` is the memory after the selection (the candidates with the selected values zeroed;
     its velocity NOT masked: the selection is not what is sent) and the returned one
     keeps exactly what was not sent, the velocity zeroed where sent with `masking`.
+  wire: the pairs' wire format (`sparsejax.wire`): "pairs8", or "pairs4" (a `reduce` that
+    keeps each value's bfloat16 rounding error in the memory).
   """
 
   name: str
@@ -200,6 +203,7 @@ class SparseCollective(NamedTuple):
   scatter: Callable[[jax.Array], jax.Array]
   gather: Callable[[jax.Array, jax.Array, int], jax.Array] | None
   reduce: Callable[..., tuple[jax.Array, Feedback]] | None = None
+  wire: str = "pairs8"
 
 
 def settle(collective: SparseCollective, values: jax.Array, indices: jax.Array,
@@ -238,13 +242,43 @@ def _whole(names: str | tuple[str, ...], what: str) -> Callable[[jax.Array], jax
   return scatter
 
 
-def sparse_allgather(axes: str | Sequence[str]) -> SparseCollective:
+def _gather4_sum(values: jax.Array, indices: jax.Array, n: int, axes) -> jax.Array:
+  """`_gather_sum` with the pairs on the wire as pairs4 (`sparsejax.wire`): one all-gather
+  of uint32 words."""
+  size = axis_size(axes)
+  words = wire_lib.pack(values, indices, n)
+  return scatter_pairs(*wire_lib.unpack(_all_gather(words, axes, size), values.shape[0], n), n)
+
+
+def _rounded(gather: Callable[[jax.Array, jax.Array, int], jax.Array]
+             ) -> Callable[..., tuple[jax.Array, Feedback]]:
+  """A `reduce` that sends the pairs' values rounded to bfloat16 through `gather` (pairs4) and
+  keeps each rounding error in the memory, where the value was; the velocity zeroed where
+  sent with `masking`."""
+  def reduce(values, indices, kept: Feedback, length: int, masking: bool):
+    sent, error = wire_lib.round_values(values.astype(jnp.float32))
+    residual = kept.residual.at[indices].add(error.astype(kept.residual.dtype),
+                                             unique_indices=True)
+    velocity = kept.velocity
+    if masking and velocity is not None:
+      velocity = velocity.at[indices].set(0, unique_indices=True)
+    return gather(sent, indices, length), kept._replace(residual=residual, velocity=velocity)
+  return reduce
+
+
+def sparse_allgather(axes: str | Sequence[str], wire: str = "pairs8") -> SparseCollective:
   """TopK all-gather's collective: every worker's (value, index) pairs to every other worker
-  over `axes`, scatter-added into a dense buffer."""
+  over `axes`, scatter-added into a dense buffer; `wire`: "pairs8" or "pairs4"."""
   names = axes if isinstance(axes, str) else tuple(axes)
+  gather = (_gather4_sum if wire_lib.check_wire(wire) == "pairs4" else _gather_sum)
+
+  def total(values, indices, n):
+    return gather(values, indices, n, names)
+
   return SparseCollective("allgather", (names,) if isinstance(names, str) else names,
                           _whole(names, "topk_allgather"),
-                          lambda values, indices, n: _gather_sum(values, indices, n, names))
+                          None if wire == "pairs4" else total,
+                          _rounded(total) if wire == "pairs4" else None, wire)
 
 
 def _node_shard(node_axis: str, local_axis: str, what: str) -> Callable[[jax.Array], jax.Array]:
@@ -259,17 +293,21 @@ def _node_shard(node_axis: str, local_axis: str, what: str) -> Callable[[jax.Arr
   return scatter
 
 
-def sparse_hitopk(node_axis: str, local_axis: str) -> SparseCollective:
+def sparse_hitopk(node_axis: str, local_axis: str, wire: str = "pairs8") -> SparseCollective:
   """HiTopKComm's collective (Shi et al., 2021): reduce-scatter inside a node (each worker gets
   shard i of its node's sum, length n/M), then the shard's pairs all-gathered over `node_axis`
-  (the only inter-node traffic: k pairs instead of n/M values) and scatter-added, and the shards
-  all-gathered over `local_axis`."""
+  (the only inter-node traffic: k pairs instead of n/M values; `wire`: "pairs8" or "pairs4")
+  and scatter-added, and the shards all-gathered over `local_axis`."""
+  pairs = _gather4_sum if wire_lib.check_wire(wire) == "pairs4" else _gather_sum
+
   def gather(values: jax.Array, indices: jax.Array, length: int) -> jax.Array:
-    shard_total = _gather_sum(values, indices, length, node_axis)
+    shard_total = pairs(values, indices, length, node_axis)
     return _all_gather(shard_total, local_axis, axis_size(local_axis))
 
   return SparseCollective("hitopk", (node_axis, local_axis),
-                          _node_shard(node_axis, local_axis, "hitopk_allreduce"), gather)
+                          _node_shard(node_axis, local_axis, "hitopk_allreduce"),
+                          None if wire == "pairs4" else gather,
+                          _rounded(gather) if wire == "pairs4" else None, wire)
 
 
 # ----------------------------------------------------------------------------- gTop-k
@@ -430,14 +468,23 @@ def sparse_higtopk(node_axis: str, local_axis: str) -> SparseCollective:
                           _node_shard(node_axis, local_axis, "higtopk_allreduce"), None, reduce)
 
 
-def sparse_collective(algorithm: str, axes: str | Sequence[str]) -> SparseCollective:
-  """The `SparseCollective` of a sparse algorithm over its axes (checked by `axis_names`)."""
+WIRE_ALGORITHMS = ("allgather", "hitopk")  # the ones whose pairs may travel as pairs4
+
+
+def sparse_collective(algorithm: str, axes: str | Sequence[str],
+                      wire: str = "pairs8") -> SparseCollective:
+  """The `SparseCollective` of a sparse algorithm over its axes (checked by `axis_names`), its
+  pairs in the `wire` format ("pairs4": TopK all-gather and HiTopKComm only)."""
   names = axis_names(algorithm, axes)
   if algorithm not in SPARSE_ALGORITHMS:
     raise ValueError(f"{algorithm!r} is not a sparse algorithm; allowed: {list(SPARSE_ALGORITHMS)}")
-  return {"allgather": lambda: sparse_allgather(names), "gtopk": lambda: sparse_gtopk(names),
-          "hitopk": lambda: sparse_hitopk(*names), "higtopk": lambda: sparse_higtopk(*names)
-          }[algorithm]()
+  if wire_lib.check_wire(wire) != "pairs8" and algorithm not in WIRE_ALGORITHMS:
+    raise ValueError(f"wire {wire!r} is for {', '.join(WIRE_ALGORITHMS)}, got {algorithm!r} "
+                     "(its merges add values on the way: pairs8)")
+  return {"allgather": lambda: sparse_allgather(names, wire),
+          "gtopk": lambda: sparse_gtopk(names),
+          "hitopk": lambda: sparse_hitopk(*names, wire),
+          "higtopk": lambda: sparse_higtopk(*names)}[algorithm]()
 
 
 def _sparse_allreduce(collective: SparseCollective, x: jax.Array, k: int,
@@ -539,7 +586,7 @@ def higtopk_allreduce(x: jax.Array, k: int, *, node_axis: str, local_axis: str,
 
 
 def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
-               value_bytes: int = 4, index_bytes: int = 4) -> dict[str, float]:
+               wire: str = "pairs8") -> dict[str, float]:
   """Bytes each worker sends per step over inter-node and intra-node links.
 
   Ring formulas per collective over a group of G workers and a buffer of B bytes: all-reduce
@@ -549,7 +596,9 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
   hierarchical ones. gTop-k: k pairs to the partner per round (log2 Q rounds, Q the largest
   power of two <= the group), the positions handed back to the P - Q extra workers, and an
   all-reduce of k values: worker 0's bytes (with P even and not a power of two an extra worker
-  sends a little more: the fold's k pairs and the wasted swaps of `_swap`).
+  sends a little more: the fold's k pairs and the wasted swaps of `_swap`). `wire`: the pairs'
+  format (`sparsejax.wire.bytes_per_worker`: pairs8, 8 bytes a pair; pairs4, 4 bytes a pair and
+  a count per 2^16-position block of the buffer the indices point into).
 
   Returns:
     `{"inter": bytes, "intra": bytes}`.
@@ -564,7 +613,9 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
     if group > 1:
       out["inter" if spans_nodes else "intra"] += nbytes
 
-  p, pair = nodes * local, value_bytes + index_bytes
+  p, value_bytes, index_bytes = nodes * local, 4, 4
+  length = n // local if algorithm in HIERARCHICAL_ALGORITHMS else n
+  piece = sum(wire_lib.bytes_per_worker(wire, k, length))  # one worker's pairs
   if algorithm == "dense":
     add(p, nodes > 1, 2 * (p - 1) / p * n * value_bytes)
   elif algorithm == "hierarchical":
@@ -572,13 +623,13 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
     add(nodes, True, 2 * (nodes - 1) / nodes * n / local * value_bytes)
     add(local, False, (local - 1) / local * n * value_bytes)
   elif algorithm == "allgather":
-    add(p, nodes > 1, (p - 1) * k * pair)
+    add(p, nodes > 1, (p - 1) * piece)
   elif algorithm == "gtopk":
     _gtopk_bytes(add, p, local, k, value_bytes, index_bytes)
   else:  # hitopk, higtopk
     add(local, False, (local - 1) / local * n * value_bytes)
     if algorithm == "hitopk":
-      add(nodes, True, (nodes - 1) * k * pair)
+      add(nodes, True, (nodes - 1) * piece)
     else:  # a gTop-k group per shard, over the nodes: every step crosses them
       _gtopk_bytes(add, nodes, 1, k, value_bytes, index_bytes)
     add(local, False, (local - 1) / local * n * value_bytes)

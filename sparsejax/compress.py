@@ -322,7 +322,7 @@ def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
   hierarchical = algorithm in comm.HIERARCHICAL_ALGORITHMS
   extra = 0.0 if whole is None else whole.bytes(n, nodes, local, hierarchical)
   sent = [comm.wire_bytes(algorithm, n=n, k=max(1, round(lv * part_len)), nodes=nodes,
-                          local=local) for lv in levels]
+                          local=local, wire=collective.wire) for lv in levels]
   dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
   return jnp.asarray([s["inter"] + s["intra"] + extra for s in sent]
                      + [dense["inter"] + dense["intra"]], jnp.float32)
@@ -339,6 +339,9 @@ def _check_pieces(collective: Any, levels: Any, feedback: Any, balance: Any,
                             ("whole", whole, SendWhole | None)):
     if not isinstance(value, kind):
       raise ValueError(f"exchange: {name} must be a {kind}, got {value!r}")
+  if collective.wire != "pairs8" and feedback is None:
+    raise ValueError(f"wire {collective.wire!r} needs error feedback (each value's rounding "
+                     "error is kept in the memory)")
   if whole is not None and feedback is None:
     raise ValueError("send_whole needs error feedback (the whole positions are sent from the "
                      "memory each worker keeps)")

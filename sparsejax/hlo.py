@@ -1,4 +1,5 @@
-"""Reading compiled XLA programs: how many kernels a jitted function launches."""
+"""Reading compiled XLA programs: how many kernels a jitted function launches, and what its
+collectives move."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import collections
 import re
 from typing import Any
 
-__all__ = ["kernel_counts", "num_kernels"]
+__all__ = ["kernel_counts", "num_kernels", "collectives", "DTYPE_BYTES"]
 
 # Entry-computation instructions that launch no work of their own.
 _FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
@@ -37,3 +38,29 @@ def kernel_counts(compiled: Any) -> dict[str, int]:
 def num_kernels(compiled: Any) -> int:
   """Number of kernels (fusions, custom calls and unfused ops) the compiled program launches."""
   return sum(kernel_counts(compiled).values())
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_COLLECTIVE = re.compile(
+    r"=\s*(\w+)\[([\d,]*)\][^\s]*\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
+    r"collective-permute)(?:-start)?\(.*?replica_groups=(\{\{[\d,{} ]*\}\}|\[[^\]]*\]<=\[\d+\])")
+
+
+def collectives(compiled: Any) -> list[dict[str, Any]]:
+  """The collectives of a compiled program (all-gather, all-reduce, reduce-scatter,
+  all-to-all, collective-permute), each as `{"op", "dtype", "elements", "bytes", "group"}`:
+  its result's element type, element count and bytes, and the size of its replica groups (0
+  where the text gives none)."""
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  out = []
+  for m in _COLLECTIVE.finditer(text):
+    dtype, dims, op, groups = m.groups()
+    elements = 1
+    for d in filter(None, dims.split(",")):
+      elements *= int(d)
+    first = re.match(r"\{\{([\d,]*)\}", groups)
+    group = len(first.group(1).split(",")) if first else 0
+    out.append({"op": op, "dtype": dtype, "elements": elements,
+                "bytes": elements * DTYPE_BYTES.get(dtype, 0), "group": group})
+  return out

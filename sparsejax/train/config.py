@@ -204,6 +204,10 @@ def _experimental_defaults() -> ml_collections.ConfigDict:
       # the leaves of one dimension (BatchNorm's scales and biases, biases) sent whole every
       # step beside the sparse exchange's pairs (an all-reduce of those values alone)
       "whole_vectors": False,
+      # the pairs' wire format (sparsejax.wire): "pairs8" (float32 value, int32 index) or
+      # "pairs4" (bfloat16 value, 16-bit index in its block, the rounding error kept in the
+      # residual; hitopk and allgather, with error feedback)
+      "wire": "pairs8",
   })
 
 
@@ -374,6 +378,13 @@ def _check_experimental(c: ml_collections.ConfigDict, need: Callable[..., None])
     need(c.compression.algorithm in comm.SPARSE_ALGORITHMS + ("auto",),
          "experimental.whole_vectors", "False with a dense compression.algorithm "
          f"({c.compression.algorithm!r}: nothing is held back)")
+  need(e.wire in ("pairs8", "pairs4"), "experimental.wire", "'pairs8' or 'pairs4'")
+  if e.wire == "pairs4":
+    sparse = c.auto.sparse if c.compression.algorithm == "auto" else c.compression.algorithm
+    need(sparse in comm.WIRE_ALGORITHMS and c.compression.error_feedback, "experimental.wire",
+         f"'pairs8' unless the sparse algorithm is one of {', '.join(comm.WIRE_ALGORITHMS)} "
+         f"with error feedback (got {sparse!r}, error_feedback "
+         f"{c.compression.error_feedback!r})")
   need(e.balance in ("global", "tensor"), "experimental.balance", "'global' or 'tensor'")
   if e.balance == "tensor":
     need(c.compression.error_feedback and not (c.compression.momentum_correction

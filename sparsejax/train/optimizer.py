@@ -146,7 +146,7 @@ def compressor(config: Any, plan: Any, correction: Correction | None = None,
            if e.whole_vectors else None)
   balance = tensor_balance(layout.segment_ids) if e.balance == "tensor" else None
   levels = density_schedule(c.density, plan.density_schedule(), plan.dense_form)
-  collective = comm.sparse_collective(plan.algorithm, WORKERS)
+  collective = comm.sparse_collective(plan.algorithm, WORKERS, e.wire)
   feedback = error_feedback(correction) if c.error_feedback else None
   return exchange(collective, levels, feedback=feedback, selector=c.selector, balance=balance,
                   whole=whole)

@@ -211,10 +211,10 @@ def _stages(resize_schedule: Any, spe: int, total: int) -> tuple[tuple[int, int 
 
 
 def _denser_than_dense(algorithm: str, levels: tuple[float, ...],
-                       workers: tuple[int, int] | None) -> tuple[int, ...]:
-  """The levels whose pairs would send more bytes than the dense form of `algorithm` at
-  `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the ratio does not
-  depend on the buffer but through k's rounding)."""
+                       workers: tuple[int, int] | None, wire: str) -> tuple[int, ...]:
+  """The levels whose pairs (in the `wire` format) would send more bytes than the dense form of
+  `algorithm` at `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the
+  ratio does not depend on the buffer but through k's rounding and pairs4's block counts)."""
   if workers is None or algorithm not in comm.SPARSE_ALGORITHMS:
     return ()
   nodes, local = workers
@@ -223,7 +223,8 @@ def _denser_than_dense(algorithm: str, levels: tuple[float, ...],
   dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
   out = []
   for i, d in enumerate(levels):
-    pairs = comm.wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes, local=local)
+    pairs = comm.wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes,
+                            local=local, wire=wire)
     if pairs["inter"] + pairs["intra"] > dense["inter"] + dense["intra"]:
       out.append(i)
   return tuple(out)
@@ -257,7 +258,8 @@ def make_plan(config: Any, steps_per_epoch: int,
       stage_ends=tuple(s for s, _ in stages[1:]) if config.eval_at_stage_boundaries else (),
       pipeline_start=steps(config.overlap.from_epochs, spe))
   level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
-  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers)
+  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers,
+                                                     config.experimental.wire)
                        if any(level == i for _, level in level_steps))
   return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
                              dense_levels=dense_levels,

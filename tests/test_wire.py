@@ -1,0 +1,187 @@
+"""The pairs' 4-byte wire format (`sparsejax.wire`, `experimental.wire="pairs4"`): the words
+and block counts against numpy, the exchange against a numpy reference (what is sent plus what
+is kept is the candidates to the bit), and the bytes on the wire read from the compiled
+program against `comm.wire_bytes`."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparsejax import comm, hlo, wire
+from sparsejax.compress import density_schedule, exchange
+from sparsejax.feedback import MomentumCorrection, error_feedback
+
+AXES = ("node", "local")
+
+
+def _bf16(x):
+  return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.parametrize("length,k", [(200_003, 777), (65_536, 301), (1_000, 17),
+                                      (131_073, 5)])
+def test_words_and_block_counts_give_back_every_pair(rng, length, k):
+  """Three workers' pairs packed, concatenated as an all-gather gives them, unpacked: the
+  indices exactly, the values rounded to bfloat16 (numpy's ml_dtypes), in index order."""
+  values, indices, words = [], [], []
+  for _ in range(3):
+    idx = rng.choice(length, size=k, replace=False).astype(np.int32)
+    val = (rng.standard_normal(k) * 10.0 ** rng.integers(-3, 3, k)).astype(np.float32)
+    values.append(val)
+    indices.append(idx)
+    words.append(np.asarray(wire.pack(jnp.asarray(val), jnp.asarray(idx), length)))
+  assert all(w.dtype == np.uint32 and w.shape == (k + wire.blocks(length),) for w in words)
+  got_v, got_i = wire.unpack(jnp.asarray(np.concatenate(words)), k, length)
+  for w in range(3):
+    order = np.argsort(indices[w])
+    np.testing.assert_array_equal(np.asarray(got_i)[w * k:(w + 1) * k], indices[w][order])
+    np.testing.assert_array_equal(np.asarray(got_v)[w * k:(w + 1) * k], _bf16(values[w][order]))
+  sent, error = wire.round_values(jnp.asarray(values[0]))
+  np.testing.assert_array_equal(np.asarray(sent) + np.asarray(error), values[0])  # exact
+  assert wire.blocks(length) == (0 if length <= 65_536 else -(-length // 65_536))
+
+
+def _run(mesh, tx, seq):
+  spec = P(AXES)
+
+  def body(*gs):
+    gs = [g[0] for g in gs]
+    state = tx.init(gs[0])
+    outs = []
+    for g in gs:
+      out, state = tx.update(g, state)
+      outs.append(out[None])
+    return outs, state.feedback.residual[None]
+
+  placed = [jax.device_put(g, NamedSharding(mesh, spec)) for g in seq]
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  return fn, jax.tree.map(np.asarray, fn(*placed)), placed
+
+
+def test_topk_allgather_in_pairs4_sends_the_rounded_top_k_and_keeps_the_rest(rng):
+  """One step from an empty memory, 8 workers: each worker's residual is its gradient with
+  the top k replaced by their rounding error (to the bit: sent plus kept is the gradient), and
+  the output is the mean of the rounded top k (numpy: exact top-k, ml_dtypes bfloat16)."""
+  n, k, p = 200_003, 2000, 8
+  x = rng.standard_normal((p, n)).astype(np.float32)
+  tx = exchange(comm.sparse_collective("allgather", AXES, "pairs4"),
+                density_schedule(k / n), feedback=error_feedback(), selector="exact")
+  _, (outs, residual), _ = _run(make_mesh(2, 4), tx, [x])
+  want_sum, kk = np.zeros(n, np.float64), max(1, round(k / n * residual.shape[1]))
+  for w in range(p):
+    top = np.argsort(-np.abs(x[w]), kind="stable")[:kk]
+    sent = _bf16(x[w][top])
+    want_r = x[w].copy()
+    want_r[top] = x[w][top] - sent
+    np.testing.assert_array_equal(residual[w][:n], want_r)
+    np.testing.assert_array_equal(residual[w][:n] + np.where(np.isin(np.arange(n), top),
+                                                             _bf16(x[w]), 0.0), x[w])
+    np.add.at(want_sum, top, sent)
+  np.testing.assert_allclose(outs[0][0], want_sum / p, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather"])
+def test_nothing_is_lost_over_steps_with_momentum_correction(rng, nodes, local, algorithm):
+  """Six steps with momentum correction (unmasked): the outputs times the workers plus what
+  every worker keeps is the sum of the velocities, as with pairs8."""
+  p, n, m = nodes * local, 12_345, 0.9
+  seq = [rng.standard_normal((p, n)).astype(np.float32) for _ in range(6)]
+  tx = exchange(comm.sparse_collective(algorithm, AXES, "pairs4"), density_schedule(0.02),
+                feedback=error_feedback(MomentumCorrection(m, masking=False)))
+  _, (outs, residual), _ = _run(make_mesh(nodes, local), tx, seq)
+  velocity, total = np.zeros(n), np.zeros(n)
+  for g in seq:
+    velocity = m * velocity + g.sum(0).astype(np.float64)
+    total += velocity
+  kept = (residual.reshape(nodes, -1).sum(0) if algorithm == "hitopk"
+          else residual.sum(0))[:n]
+  sent = sum(o[0] for o in outs) * p
+  np.testing.assert_allclose(sent + kept, total, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("algorithm,nodes,local", [("allgather", 2, 4), ("hitopk", 4, 2),
+                                                   ("hitopk", 2, 4)])
+@pytest.mark.parametrize("form", wire.WIRES)
+def test_the_bytes_on_the_wire_are_the_compiled_program_s(rng, algorithm, nodes, local, form):
+  """The pairs' all-gather in the compiled step (its element type and count, its group) sends
+  per worker what `comm.wire_bytes` counts for the pairs: (group - 1) x one worker's piece;
+  pairs4 half of pairs8 but for the block counts."""
+  n, density = 300_007, 0.01
+  x = rng.standard_normal((nodes * local, n)).astype(np.float32)
+  tx = exchange(comm.sparse_collective(algorithm, AXES, form), density_schedule(density),
+                feedback=error_feedback())
+  fn, _, placed = _run(make_mesh(nodes, local), tx, [x])
+  gathers = [c for c in hlo.collectives(fn.lower(*placed).compile())
+             if c["op"] == "all-gather" and c["dtype"] in ("u32", "s32")]
+  pairs_group = nodes if algorithm == "hitopk" else nodes * local
+  [pairs] = [c for c in gathers if c["group"] == pairs_group and c["elements"] < n]
+  sent = pairs["bytes"] * (pairs_group - 1) // pairs_group
+  padded = -(-n // local) * local
+  part = padded // local if algorithm == "hitopk" else padded
+  k = max(1, round(density * part))
+  want = comm.wire_bytes(algorithm, n=padded, k=k, nodes=nodes, local=local, wire=form)
+  dense_parts = (comm.wire_bytes("hierarchical", n=padded, nodes=nodes, local=local)["intra"]
+                 if algorithm == "hitopk" else 0.0)
+  assert sent == want["inter"] + want["intra"] - dense_parts
+  assert pairs["dtype"] == ("u32" if form == "pairs4" else "s32")
+
+
+def test_pairs4_is_refused_where_it_cannot_keep_its_rounding_error():
+  with pytest.raises(ValueError, match="unknown wire format 'pairs2'"):
+    comm.sparse_collective("hitopk", AXES, "pairs2")
+  with pytest.raises(ValueError, match="wire 'pairs4' is for allgather, hitopk, got 'gtopk'"):
+    comm.sparse_collective("gtopk", AXES, "pairs4")
+  with pytest.raises(ValueError, match="wire 'pairs4' needs error feedback"):
+    exchange(comm.sparse_collective("hitopk", AXES, "pairs4"), density_schedule(0.01))
+
+
+def test_the_config_s_wire_reaches_the_plan_and_is_checked():
+  """`experimental.wire="pairs4"`: pairs of half the bytes break even with the dense form at
+  about twice the density (HiTopKComm at 2 nodes: 0.64 is then below it, 1.0 above); refused
+  for gTop-k and without error feedback."""
+  from conftest import override
+
+  from sparsejax.train import config as config_lib
+  from sparsejax.train import make_plan
+  base = {"compression.warmup_epochs": 1.0, "mesh.nodes": 2, "mesh.local": 4}
+  eight = make_plan(config_lib.validate(override(config_lib.default_config(), base)), 100)
+  four = make_plan(config_lib.validate(override(config_lib.default_config(),
+                                                {**base, "experimental.wire": "pairs4"})), 100)
+  assert eight.levels == four.levels == (0.01, 0.04, 0.16, 0.64, 1.0)
+  assert eight.dense_levels == (3,) and four.dense_levels == ()
+  for bad, match in (({"compression.algorithm": "gtopk"}, "'pairs8' unless the sparse"),
+                     ({"compression.error_feedback": False}, "error_feedback False")):
+    config = override(config_lib.default_config(), {"experimental.wire": "pairs4", **bad})
+    with pytest.raises(ValueError, match=match):
+      config_lib.validate(config)
+
+
+@pytest.mark.integration  # end to end: trains through the trainer (10-40 s on 2 cores)
+def test_a_run_in_pairs4_logs_the_bytes_it_sends(tmp_path):
+  """Three steps of the quickstart's recipe at width 4 with `experimental.wire="pairs4"`:
+  finite losses, and each step's bytes are `comm.wire_bytes` of pairs4 at its level."""
+  import os
+
+  from conftest import override
+
+  from sparsejax.train import Run
+  from sparsejax.train import config as config_lib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = config_lib.validate(override(
+      config_lib.load_config(os.path.join(root, "configs", "quickstart.py")),
+      {"model.num_filters": 4, "experimental.wire": "pairs4",
+       "compression.warmup_epochs": 0.0}))
+  run = Run(config)
+  layout = run.setup.layout
+  k = max(1, round(0.01 * (layout.padded_size // 4)))
+  want = comm.wire_bytes("hitopk", n=layout.padded_size, k=k, nodes=2, local=4, wire="pairs4")
+  for step in range(3):
+    metrics, = run.step(step)
+    assert np.isfinite(float(metrics["loss"]))
+    assert float(metrics["bytes_sent"]) == pytest.approx(want["inter"] + want["intra"])
