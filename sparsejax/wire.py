@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -58,16 +60,31 @@ def round_values(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def pack(values: jax.Array, indices: jax.Array, length: int) -> jax.Array:
   """uint32[k + blocks(length)]: a worker's k pairs (int32 indices into a buffer of `length`,
-  distinct) as pairs4 words in index order, then its pairs' count in each block."""
-  order = jnp.argsort(indices)
-  idx, val = indices[order], values[order]
-  low = (idx & (BLOCK - 1)).astype(jnp.uint32)
-  high = lax.bitcast_convert_type(val.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+  distinct) as pairs4 words in index order, then its pairs' count in each block.
+
+  Selections that give their indices increasing (the CPU kernel's) are packed as they come.
+  Otherwise a pair's place in the order comes from whichever costs fewer operations: an
+  argsort of the k indices (k log2 k) or a prefix count of the chosen positions over the buffer
+  (`length`, a pass like the exchange's others). On CPU at a density of 0.64 of 1.9M positions
+  the argsort took 10x the prefix count; at 0.01, half of it."""
+  k = indices.shape[0]
+  low = (indices & (BLOCK - 1)).astype(jnp.uint32)
+  high = lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
   words = (high << 16) | low
+
+  def ordered(words):
+    if k * math.log2(max(k, 2)) < length:
+      return words[jnp.argsort(indices)]
+    chosen = jnp.zeros(length, jnp.int32).at[indices].set(1, unique_indices=True)
+    place = lax.associative_scan(jnp.add, chosen)[indices] - 1
+    return jnp.zeros(k, jnp.uint32).at[place].set(words, unique_indices=True)
+
+  if k > 1:
+    words = lax.cond(jnp.all(indices[1:] > indices[:-1]), lambda w: w, ordered, words)
   count = blocks(length)
   if not count:
     return words
-  counts = jnp.zeros(count, jnp.int32).at[idx >> 16].add(1)
+  counts = jnp.zeros(count, jnp.int32).at[indices >> 16].add(1)
   return jnp.concatenate([words, lax.bitcast_convert_type(counts, jnp.uint32)])
 
 
@@ -80,8 +97,8 @@ def unpack(gathered: jax.Array, k: int, length: int) -> tuple[jax.Array, jax.Arr
   values = lax.bitcast_convert_type((words >> 16).astype(jnp.uint16), jnp.bfloat16)
   low = (words & (BLOCK - 1)).astype(jnp.int32)
   if count:  # each pair's block: how many blocks end at or before its place in the order
-    ends = jnp.cumsum(lax.bitcast_convert_type(rows[:, k:], jnp.int32), axis=1)
-    place = jnp.arange(k, dtype=jnp.int32)
-    block = jax.vmap(lambda e: jnp.searchsorted(e, place, side="right"))(ends)
-    low = low + block.astype(jnp.int32) * BLOCK
+    ends = jnp.cumsum(lax.bitcast_convert_type(rows[:, k:-1], jnp.int32), axis=1)
+    row = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+    starts = jnp.zeros((rows.shape[0], k), jnp.int32).at[row, ends].add(1, mode="drop")
+    low = low + lax.associative_scan(jnp.add, starts, axis=1) * BLOCK
   return values.astype(jnp.float32).reshape(-1), low.reshape(-1)

@@ -23,20 +23,24 @@ def _bf16(x):
   return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-@pytest.mark.parametrize("length,k", [(200_003, 777), (65_536, 301), (1_000, 17),
-                                      (131_073, 5)])
-def test_words_and_block_counts_give_back_every_pair(rng, length, k):
+@pytest.mark.parametrize("length,k,first", [
+    (200_003, 777, 0), (65_536, 301, 0), (1_000, 17, 0), (131_073, 5, 0),
+    (200_003, 150_001, 0), (70_001, 6_007, 0),  # dense enough to order by a prefix count
+    (262_147, 301, 140_000), (262_147, 120_007, 131_000)])  # empty blocks before the pairs
+def test_words_and_block_counts_give_back_every_pair(rng, length, k, first):
   """Three workers' pairs packed, concatenated as an all-gather gives them, unpacked: the
   indices exactly, the values rounded to bfloat16 (numpy's ml_dtypes), in index order."""
   values, indices, words = [], [], []
+  pack = jax.jit(wire.pack, static_argnums=2)  # as in the exchange's step (not op by op)
   for _ in range(3):
-    idx = rng.choice(length, size=k, replace=False).astype(np.int32)
+    idx = (first + rng.choice(length - first, size=k, replace=False)).astype(np.int32)
     val = (rng.standard_normal(k) * 10.0 ** rng.integers(-3, 3, k)).astype(np.float32)
     values.append(val)
     indices.append(idx)
-    words.append(np.asarray(wire.pack(jnp.asarray(val), jnp.asarray(idx), length)))
+    words.append(np.asarray(pack(jnp.asarray(val), jnp.asarray(idx), length)))
   assert all(w.dtype == np.uint32 and w.shape == (k + wire.blocks(length),) for w in words)
-  got_v, got_i = wire.unpack(jnp.asarray(np.concatenate(words)), k, length)
+  got_v, got_i = jax.jit(wire.unpack, static_argnums=(1, 2))(jnp.asarray(np.concatenate(words)),
+                                                             k, length)
   for w in range(3):
     order = np.argsort(indices[w])
     np.testing.assert_array_equal(np.asarray(got_i)[w * k:(w + 1) * k], indices[w][order])
