@@ -527,7 +527,7 @@ def test_the_first_link_read_is_taken_again_only_where_it_would_leave_dense_unru
     reads.append(slow)
     link = auto.Link(1e-4, 1e3 if slow else math.inf)  # 8 kbit/s: a 1-s dense exchange
     return link, link, 0.0
-  monkeypatch.setattr(auto, "_probe_link", probe)
+  monkeypatch.setattr(auto.controller, "probe_link", probe)
   summary = train_and_evaluate(auto_config(**{"num_epochs": 1.0}), str(tmp_path),
                                progress=False)
   first = summary["exchange_choices"][0]
@@ -552,17 +552,17 @@ def test_a_rest_taken_at_a_far_link_is_taken_again():
   Gbit/s), nor for a slow link's noise where the rest is the larger part."""
   mb = 1e6
   # the quickstart's dense step at 20 Mbit/s, then the link lifted
-  assert auto._stale(0.13, 0.48, 0.001, 2.5 * mb, math.inf)
-  assert auto._stale(0.13, 0.48, 0.001, 2.5 * mb, 1000 * mb)
+  assert auto.stale(0.13, 0.48, 0.001, 2.5 * mb, math.inf)
+  assert auto.stale(0.13, 0.48, 0.001, 2.5 * mb, 1000 * mb)
   # ... and the other way: a rest taken at a fast link, the link throttled
-  assert auto._stale(0.02, 0.001, 0.48, math.inf, 2.5 * mb)
+  assert auto.stale(0.02, 0.001, 0.48, math.inf, 2.5 * mb)
   # flicker at an unlimited link: the exchange hardly moves
-  assert not auto._stale(0.018, 0.0001, 0.0002, math.inf, 1700 * mb)
-  assert not auto._stale(0.018, 0.0001, 0.0001, math.inf, math.inf)
+  assert not auto.stale(0.018, 0.0001, 0.0002, math.inf, 1700 * mb)
+  assert not auto.stale(0.018, 0.0001, 0.0001, math.inf, math.inf)
   # a slow link's noise (a fifth): the exchange moves by more than the rest, the link by < 2x
-  assert not auto._stale(0.1, 1.5, 1.8, 6.25 * mb, 5.2 * mb)
+  assert not auto.stale(0.1, 1.5, 1.8, 6.25 * mb, 5.2 * mb)
   # a link 3x slower where the exchange is small beside the rest
-  assert not auto._stale(0.2, 0.01, 0.03, 300 * mb, 100 * mb)
+  assert not auto.stale(0.2, 0.01, 0.03, 300 * mb, 100 * mb)
 
 
 def test_a_form_far_off_is_not_run_and_the_other_forms_rest_stands_for_it():
@@ -645,6 +645,6 @@ def test_a_warm_up_window_is_moved_only_where_the_move_is_small():
   assert auto.moved_window(0.090, -0.004) == pytest.approx(0.086)  # an unlimited link
   assert auto.moved_window(0.090, 0.004) == pytest.approx(0.094)
   assert auto.moved_window(0.487, -0.160) is None
-  assert auto.moved_window(0.100, -auto.WARMUP_MOVE * 0.100 * 1.01) is None
-  assert auto.moved_window(0.100, -auto.WARMUP_MOVE * 0.100 * 0.99) == pytest.approx(
-      0.100 * (1 - auto.WARMUP_MOVE * 0.99))
+  assert auto.moved_window(0.100, -auto.model.WARMUP_MOVE * 0.100 * 1.01) is None
+  assert auto.moved_window(0.100, -auto.model.WARMUP_MOVE * 0.100 * 0.99) == pytest.approx(
+      0.100 * (1 - auto.model.WARMUP_MOVE * 0.99))

@@ -1,413 +1,39 @@
-"""`compression.algorithm = "auto"`: the exchange chosen on the host, by measurement.
-
-The compressor is `auto.sparse` built with its dense form (`density_schedule(...,
-dense_form=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
-residual).
-`AutoExchange` picks the form before a step, at the first step and again whenever the last
-measurement's cost allows (`auto.probe_budget`: the measurements take at most that share of the
-run's time, `probe_interval`). No figure comes from the user or from another task: each
-measurement reads, from the run itself (every process the same probes, each figure the slowest
-process's, so all processes choose alike):
-
-  the step  the whole train step of a form, as the run takes it: at the first measurement
-            both forms' compiled steps timed on a copy of the state; later the form in force,
-            observed over the steps since the last measurement (evaluations and checkpoints
-            left out; a window restarts where the level changes); at a new input size
-            (progressive resizing) the form in force timed there and the other's step moved
-            by the same change (only the forward and backward pass depends on the input);
-  link      an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
-            that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
-            bandwidth (`fit_link`);
-  gradient  one forward and backward pass for the spread of each node's gradient,
-            ||g||_1^2 / (n ||g||_2^2) (1 for a flat gradient, 1/n for a single value),
-            averaged over the nodes; only where the lag could raise the sparse form's factor
-            above `auto.min_step_factor` (`spread_matters`), else not run;
-  select    the sparse form's local work on one shard at its final k: MSTopK with error feedback
-            and the scatter-add of every node's pairs.
-
-`predict` moves each form's step to the link measured now with the library's cost model
-(`sparsejax.cost.exchange_time`): the form's step when last measured less its modelled exchange
-then, plus its modelled exchange now; the form just measured as measured. `choose` then weighs
-the forms' time over the rest of the run:
-error feedback sends each value late, so the sparse form's model lags the dense one's by about
-`lag_steps` = spread / (2 density) steps (a value whose share of the gradient's L1 norm is s
-waits about 1 / (2 k s) steps for its turn in the top k); the sparse form costs (remaining steps
-+ lag) x its step against remaining x the dense step, and the form in force is kept unless the
-other is faster by more than `auto.margin`. Where the user knows the sparse form's steps to the
-target over dense's, `auto.step_factor` replaces the lag. Not modelled: the density warm-up's
-higher levels (their steps cost more than the final density's) and any overlap of the exchange
-with compute (the step runs them in sequence).
-
-`auto.schedule` fixes the forms by epoch instead (no measurement): for reproducible runs, the
-tests, and the fixed schedules a study compares auto with. A schedule's "measured" entries hand
-the choice back to the measurements from their epoch on. `compression.dense_epochs` runs the
-dense form first whatever the link (1-bit Adam's dense start: recipe "onebit_adam"), then the
-schedule or the measured form. Each choice, with the figures behind it (`describe`), is printed,
-written to `auto.csv` and kept in the checkpoints' and summary.json's "exchange_choices".
-"""
+"""`auto`'s controller: `AutoExchange` measures where due (`probes`), asks the decision model
+(`model`) and logs each choice (`describe`)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from sparsejax import comm, cost
-from sparsejax import topk as topk_lib
-from sparsejax.train.mesh import WORKERS
-
-__all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "with_run_costs",
-           "fit_in_steps", "faster", "moved_window",
-           "lag_steps", "spread_matters", "step_factor", "choose", "probe_interval",
-           "measuring", "AutoExchange", "FORMS"]
-
-FORMS = ("dense", "sparse")
-PROBE_SMALL = 1024  # floats per worker in the small link probe (4 KiB)
-PROBE_REPS = 3
-PROBE_LARGE_S = 0.02  # the largest link probe takes about this long (where the shard allows)
-WARMUP_MOVE = 0.1  # a warm-up level's window is moved to the final density only where the
-# model's move is at most this share of its step (`moved_window`)
-
-
-class Link(NamedTuple):
-  """The inter-node link as the probes saw it."""
-
-  fixed_s: float       # seconds per collective call, whatever its size
-  bytes_per_s: float   # a node's link, each direction (inf: too fast to tell from the probes)
-
-
-class Measurement(NamedTuple):
-  """What one measurement found (seconds)."""
-
-  link: Link
-  form: str         # the form whose whole step was measured
-  step_s: float     # its step
-  select_s: float   # the sparse form's local work on one shard
-  spread: float | None  # ||g||_1^2 / (n ||g||_2^2) of a node's gradient (mean over nodes),
-  # (0, 1]; None: not measured (it could not change the choice: `spread_matters`)
-  how: str = "timed"  # how the step was measured: "timed" here, or "observed over N steps"
-
-
-def fit_link(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
-  """The line `seconds = fixed_s + link_bytes / bytes_per_s` through the probes (least squares;
-  a bandwidth too high to see, a flat or falling line, is inf)."""
-  x, y = np.asarray(link_bytes, np.float64), np.asarray(seconds, np.float64)
-  if x.shape != y.shape or x.size < 2 or np.ptp(x) == 0:
-    raise ValueError(f"fit_link needs two or more probe sizes, got bytes {list(x)}, "
-                     f"seconds {list(y)}")
-  slope, intercept = np.polyfit(x, y, 1)
-  if slope <= 0:
-    return Link(float(max(y.min(), 0.0)), math.inf)
-  return Link(float(max(intercept, 0.0)), float(1.0 / slope))
-
-
-def _cluster(m: Measurement, nodes: int, local: int) -> cost.Cluster:
-  """The cost model's cluster of a measurement: the node link as measured (its fixed cost per
-  call), the links inside a node free (both forms move the same bytes there), the sparse form's
-  local work as measured."""
-  return cost.Cluster(nodes=nodes, local=local, inter_Bps=m.link.bytes_per_s, intra_Bps=math.inf,
-                      inter_alpha_s=0.0, intra_alpha_s=0.0, call_s=m.link.fixed_s,
-                      select_s=lambda n, k: m.select_s, pair_s=0.0, pass_s_per_value=0.0,
-                      allreduce_pipelined=True)
-
-
-def exchange_s(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
-               local: int) -> dict[str, float]:
-  """The modelled seconds of each form's exchange (the sparse form's local work included) on
-  the measured link: {"dense": ..., "sparse": ...}."""
-  cl = _cluster(m, nodes, local)
-  return {"dense": cost.exchange_time(comm.dense_form(algorithm), n, 1.0, cl)["total"],
-          "sparse": cost.exchange_time(algorithm, n, density, cl)["total"]}
-
-
-def predict(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
-            local: int, rest: dict[str, float] | None = None) -> dict[str, float]:
-  """Seconds of one step in each form. The measured form's as measured; the other's its `rest`
-  (its step less its modelled exchange, from the last time it was measured; by default the
-  measured form's, at least 0) plus its modelled exchange on the link measured now. (No compute
-  probe as a floor: over processes its scalar all-reduce waits for the slowest, and on 2
-  emulated nodes it read 27-52 ms against whole dense steps of 24-25 ms.)"""
-  exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
-  rest = {**(rest or {}), m.form: m.step_s - exchange[m.form]}
-  return {f: m.step_s if f == m.form else max(rest.get(f, rest[m.form]), 0.0) + exchange[f]
-          for f in FORMS}
-
-
-def rests(m: Measurement, *, algorithm: str, n: int, density: float, nodes: int,
-          local: int, steps: dict[str, float]) -> dict[str, float]:
-  """Each form's step in `steps` (measured on the link of `m`) less its modelled exchange
-  there: the part of the step the link does not change (`predict`'s `rest`)."""
-  exchange = exchange_s(m, algorithm=algorithm, n=n, density=density, nodes=nodes, local=local)
-  return {f: s - exchange[f] for f, s in steps.items()}
-
-
-def with_run_costs(observed: dict[str, float], form: str, timed: dict[str, float],
-                   seen: set[str]) -> dict[str, float]:
-  """`observed` (`form`'s rest as the run took it) with the rest of each form not yet `seen` in
-  the run: its rest `timed` on a copy of the state plus what the run added to `form`'s (its
-  observed rest less its timed one, at least 0). A step timed alone misses what the run adds to
-  each step (the host's batch, the loop): on the MNIST MLP at an unlimited link dense timed 20
-  ms and ran 26, sparse 16 and 19."""
-  # (never less: with a link misread at the observation, a negative addition carried the
-  # error to the other form)
-  added = max(observed[form] - timed.get(form, observed[form]), 0.0)
-  return {**observed, **{f: r + added for f, r in timed.items() if f not in seen}}
-
-
-def _moved(before: dict[str, float], form: str, rest_s: float) -> tuple[float, float]:
-  """The other form's rest at a new input size (progressive resizing), `form`'s timed there as
-  `rest_s`: its rest timed at the old size (`before`, both forms') moved by `form`'s change
-  (the forward and backward pass is both forms' and the only part the input's size changes;
-  the exchange and the selection work on the parameters). Returns (the rest, the change)."""
-  change = rest_s - before[form]
-  return before[_other(form)] + change, change
-
-
-def lag_steps(spread: float, density: float) -> float:
-  """Steps the sparse form's model lags the dense one's under error feedback: a gradient of
-  constant values g_i, k of n sent a step, sends value i every |g|_1 / (k |g_i|) steps; weighted
-  by the values' share of the squared norm, the wait is |g|_1^2 / (2 k |g|_2^2) = spread /
-  (2 density) steps (about 1 / (pi density) for a Gaussian gradient, less the more the gradient's
-  mass sits in few values)."""
-  if not 0 < density <= 1:
-    raise ValueError(f"lag_steps: density {density} is not in (0, 1]")
-  return 0.0 if density == 1 else spread / (2 * density)
-
-
-def spread_matters(density: float, remaining: int, min_factor: float) -> bool:
-  """Whether the gradient's spread can raise the sparse form's factor over `remaining` steps
-  above `min_factor`: the lag is at most 1 / (2 density) steps (a flat gradient, spread 1), so
-  where even that lag's `step_factor` is at most `min_factor` the factor is `min_factor`
-  whatever the spread, and the gradient pass that measures it (a forward and backward pass,
-  compiled again at each new input size) is not run. On the CNN task (density 0.01, 468 steps)
-  the bound is 1.11 at the start: never measured there."""
-  return step_factor(lag_steps(1.0, density), remaining) > min_factor
-
-
-def step_factor(lag: float, remaining: int) -> float:
-  """The sparse form's steps over the dense form's for the `remaining` steps of a run when it
-  lags `lag` steps: (remaining + lag) / remaining."""
-  return (max(remaining, 1) + lag) / max(remaining, 1)
-
-
-def choose(step_s: dict[str, float], step_factor: float, current: str | None,
-           margin: float) -> str:
-  """The form with the shorter predicted time to the target (the sparse step times
-  `step_factor`: `step_factor(lag, remaining)`, or the user's `auto.step_factor`), the `current`
-  one (before the first choice: dense) unless the other is faster by more than `margin`."""
-  to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * step_factor}
-  best = min(FORMS, key=lambda f: to_target[f])
-  current = current or "dense"  # (a close call at the start: the form that costs no steps)
-  if best == current:
-    return best
-  return best if to_target[best] < (1.0 - margin) * to_target[current] else current
-
-
-def probe_interval(probe_s: float, step_s: float, budget: float) -> int | None:
-  """Steps to the next measurement: the fewest over which a measurement's `probe_s` seconds
-  stay within `budget` of the steps' time (`step_s` each); None for budget 0 (no more
-  measurements). On the Transformer LM at 2 Gbit/s a measurement's timed calls took 41-62 ms:
-  with a 0.12 s step and the default budget of 2%, one measurement every 17-26 steps."""
-  if not budget:
-    return None
-  return max(1, math.ceil(probe_s / (budget * step_s)))
-
-
-def measuring(plan: Any) -> bool:
-  """Whether algorithm "auto" measures in a run of this plan (at all steps, or from a
-  schedule's "measured" entry on); False for fixed forms and the other algorithms."""
-  return any(form == "measured" for _, form in plan.forms)
-
-
-# ----------------------------------------------------------------------------- the probes
-
-def _timed(fn: Callable, *args: Any, reps: int = PROBE_REPS, warm: bool = True,
-           untimed: list[float] | None = None) -> float:
-  """The fewest seconds of `fn(*args)` over `reps` calls (interference on a shared machine only
-  adds time), after one untimed call (compilation, first touches) if `warm`, its seconds
-  appended to `untimed` where given."""
-  if warm:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    if untimed is not None:
-      untimed.append(time.perf_counter() - t0)
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return min(times)
-
-
-def large_probe_size(shard: int, target: float) -> int:
-  """The large link probe's floats per worker: the shard divided by the smallest power of 4
-  that brings it to `target` floats or below (at least 1). A few sizes a run, each compiled
-  once: a size taken straight from a noisy first fit would compile a new all-reduce at nearly
-  every measurement (about half a second each, on the clock)."""
-  large = shard
-  while large > target and large >= 4:
-    large //= 4
-  return large
-
-
-def _probe_link(mesh: Any, shard: int, prior: Link | None = None,
-                untimed: list[float] | None = None) -> tuple[Link, Link, float]:
-  """Times an all-reduce over "node" of each worker's buffer at 4 KiB, 64 KiB and, where the link
-  is fast enough that 64 KiB would not tell it from the fixed cost, at about the size that takes
-  `PROBE_LARGE_S` (`large_probe_size`, at most the shard: the dense form's own size) by `prior`,
-  the last measurement, else by a first fit of the two small probes; fits the link. Each size's
-  first use is untimed (compilation). (The small probes alone overrate a shaped link: they fit
-  in its token bucket's burst, and a large probe sized by them ran at the whole shard, about
-  0.2 s a measurement at 500 Mbit/s.) Returns (the link, the guide for the next measurement:
-  this fit where it had a large probe, else `prior`, the seconds its timed calls took: what a
-  measurement costs once its sizes are compiled; each size's first call appended to
-  `untimed`)."""
-  nodes, local = mesh.shape["node"], mesh.shape["local"]
-  if nodes == 1:
-    return Link(0.0, math.inf), Link(0.0, math.inf), 0.0
-  fn = _node_psum(mesh)
-  sharding = jax.sharding.NamedSharding(mesh, P(WORKERS))
-
-  def link_bytes(size: int) -> float:  # what crosses a node's link: `local` rings of 2(N-1)/N
-    return local * 2 * (nodes - 1) / nodes * size * 4
-
-  def seconds(size: int) -> float:
-    here = np.ones(len(mesh.local_devices) * size, np.float32)
-    first_use = (mesh, size) not in _PROBED
-    _PROBED.add((mesh, size))
-    return _slowest([_timed(fn, jax.make_array_from_process_local_data(sharding, here),
-                            warm=first_use, untimed=untimed)])[0]
-
-  sizes = [PROBE_SMALL, min(16 * PROBE_SMALL, max(shard, PROBE_SMALL + 1))]
-  times = [seconds(size) for size in sizes]
-  guide = prior if prior is not None else fit_link([link_bytes(s) for s in sizes], times)
-  large = large_probe_size(shard, PROBE_LARGE_S * guide.bytes_per_s / link_bytes(1))
-  if large <= 2 * sizes[-1]:
-    link = fit_link([link_bytes(s) for s in sizes], times)
-    return link, prior or link, PROBE_REPS * sum(times)
-  sizes.append(large)
-  times.append(seconds(large))
-  link = fit_link([link_bytes(s) for s in sizes], times)
-  return link, link, PROBE_REPS * sum(times)
-
-
-_PROBED: set[tuple[Any, int]] = set()  # (mesh, floats per worker) the link probe has compiled
-
-
-@functools.cache
-def _node_psum(mesh: Any) -> Callable:
-  """The link probe's all-reduce over "node" (compiled once per mesh and size)."""
-  return jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "node"), mesh=mesh, in_specs=P(WORKERS),
-                               out_specs=P(WORKERS)))
-
-
-@functools.cache
-def _select_work(selector: str, k: int, nodes: int) -> Callable:
-  """The sparse form's local work: selection with error feedback and the scatter-add of
-  `nodes` sets of k pairs (compiled once per shard size)."""
-  def work(x, residual):
-    values, indices, kept = topk_lib.select_feedback(selector, x, residual, k)
-    total = jnp.zeros_like(x).at[jnp.tile(indices, nodes)].add(jnp.tile(values, nodes))
-    return total, kept
-  return jax.jit(work)
-
-
-def _probe_select(selector: str, shard: int, k: int, nodes: int) -> float:
-  """Seconds of the sparse form's local work on one device (`_select_work` on a shard)."""
-  device = jax.local_devices()[0]
-  rng = np.random.default_rng(0)
-  x = jax.device_put(rng.standard_normal(shard).astype(np.float32), device)
-  r = jax.device_put(rng.standard_normal(shard).astype(np.float32) * 0.1, device)
-  return _timed(_select_work(selector, k, nodes), x, r)
-
-
-_GATHERED = 4  # values per `_slowest` call, padded: one shape, compiled once (each new length
-# compiled its own gather, 20-25 ms on the clock of a measurement)
-
-
-def _slowest(values: Sequence[float]) -> list[float]:
-  """Each value's maximum over the processes (the same list on every process)."""
-  if jax.process_count() == 1:
-    return [float(v) for v in values]
-  if len(values) > _GATHERED:
-    raise ValueError(f"_slowest takes at most {_GATHERED} values, got {len(values)}")
-  from jax.experimental import multihost_utils
-  padded = np.full(_GATHERED, -np.inf, np.float32)
-  padded[:len(values)] = values
-  gathered = multihost_utils.process_allgather(padded)
-  return [float(v) for v in np.asarray(gathered).reshape(-1, _GATHERED).max(0)[:len(values)]]
-
-
-def faster(a: Link, b: Link, size_bytes: float) -> Link:
-  """Of two reads of the link, the one that moves `size_bytes` sooner: a stall on a loaded
-  machine makes a probe slow, nothing makes it fast (an unlimited link read 194 Mbit/s in one
-  measurement of the MNIST MLP and too fast to tell in the next)."""
-  return min((a, b), key=lambda link: link.fixed_s + size_bytes / link.bytes_per_s)
-
-
-# ----------------------------------------------------------------------------- the controller
-
-def fit_in_steps(link: Link, steps: dict[str, float],
-                 exchange: Callable[[Link], dict[str, float]]) -> Link:
-  """`link`, its bandwidth raised where needed so that each form's modelled exchange
-  (`exchange(link)`) fits in its whole step in `steps`: a step holds its exchange, so one
-  shorter than the exchange on the probes' link shows that the probes read the link slow (a
-  stall on a loaded machine: an in-process link read at 2 Mbit/s beside a dense step of 1.5
-  ms, which made auto start sparse). The step's rest is then 0, not negative. A step shorter
-  than the exchange's part that no bandwidth changes (the calls' fixed cost, the selection) says
-  nothing of the link and is left out."""
-  fastest = link._replace(bytes_per_s=math.inf)
-  for _ in range(4):  # (the exchange is about linear in 1 / bandwidth: a few rounds settle it)
-    now, floor = exchange(link), exchange(fastest)
-    over = [(now[f] - floor[f]) / (s - floor[f])
-            for f, s in steps.items() if now[f] > s * (1 + 1e-9) and s > floor[f]]
-    if not over or math.isinf(link.bytes_per_s):
-      return link
-    link = link._replace(bytes_per_s=link.bytes_per_s * max(over))
-  return link
-
-
-def moved_window(step_s: float, move_s: float) -> float | None:
-  """A sparse step observed at a density warm-up level moved to the final density by the
-  model's change of its exchange (`move_s`, negative to a lower density), or None where the
-  move is over WARMUP_MOVE of the step: the window then rests on the model more than on the
-  run, and the sparse form is timed at its final density instead. The model leaves out part
-  of what a higher density costs (the selection's and scatter's work at its k, the all-gather's
-  two directions not overlapping fully): on the KJV Transformer at 50 Mbit/s windows at density
-  0.2 moved to 0.05 read 260-330 ms a step where the run's steps at 0.05 then took 180-190 (a
-  move of 160 ms modelled, 240-300 in the run), the step timed at 0.05 on a copy 189."""
-  return None if abs(move_s) > WARMUP_MOVE * step_s else step_s + move_s
-
-
-LINK_MOVED = 2.0  # a rest taken at a link this many times faster or slower than now is stale ...
-
-
-def _stale(rest_s: float, exchange_then: float, exchange_now: float, bytes_then: float,
-           bytes_now: float) -> bool:
-  """Whether a form's rest (its step less the modelled exchange at the link it was taken at)
-  should be taken again at this link: the link moved by more than LINK_MOVED either way and
-  the form's modelled exchange by more than its rest. The model's error at the link the rest
-  was taken at stays in the rest: the quickstart ResNet-20's dense step timed at 20 Mbit/s
-  (about 0.5 s) left a rest of 130 ms in one CI run, where its step at the lifted link took
-  18-22 ms.
-  (Not where only the link's read moves: an unlimited link reads inf or 14 Gbit/s, and a
-  slow link's reads move by a fifth, where timing the dense form again would cost seconds.)"""
-  ratio = (math.inf if math.isinf(bytes_then) != math.isinf(bytes_now)
-           else 1.0 if bytes_then == bytes_now
-           else max(bytes_then, bytes_now) / min(bytes_then, bytes_now))
-  return ratio > LINK_MOVED and abs(exchange_now - exchange_then) > rest_s
-
-
-def _other(form: str) -> str:
-  return "sparse" if form == "dense" else "dense"
+from sparsejax import comm
+from sparsejax.train.auto.model import (
+  FORMS,
+  Link,
+  Measurement,
+  choose,
+  exchange_s,
+  faster,
+  fit_in_steps,
+  lag_steps,
+  moved,
+  moved_window,
+  other_form,
+  predict,
+  probe_interval,
+  spread_matters,
+  stale,
+  step_factor,
+  with_run_costs,
+)
+from sparsejax.train.auto.probes import PROBE_REPS, probe_link, probe_select, slowest
+
+__all__ = ["AutoExchange", "describe"]
 
 
 def _shape_of(batch: Sequence[Any]) -> tuple:
@@ -576,8 +202,8 @@ class AutoExchange:
     the selection, which does not depend on the link, is measured here. For a caller that keeps
     compilation off its clock (a benchmark); a run that skips it pays it in its first
     measurement."""
-    _, self._link, _ = _probe_link(self.setup.mesh, self.shard, None)  # (sizes the next one)
-    self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
+    _, self._link, _ = probe_link(self.setup.mesh, self.shard, None)  # (sizes the next one)
+    self._select_s, = slowest([probe_select(self.compression.selector, self.shard, self.k,
                                               self.nodes)])
     jax.block_until_ready(self._gradient(state, *batch))
     self._warm.add(("gradient", _shape_of(batch)))
@@ -603,11 +229,11 @@ class AutoExchange:
     return fit_in_steps(link, steps, lambda at: self._exchange(at, density))
 
   def _stale(self, form: str, link: Link) -> bool:
-    """Whether `form`'s rest was taken at a link far from `link` (`_stale`)."""
+    """Whether `form`'s rest was taken at a link far from `link` (`model.stale`)."""
     if form not in self._rest:
       return False
     then = self._rest_link[form]
-    return _stale(self._rest[form], self._exchange(then)[form], self._exchange(link)[form],
+    return stale(self._rest[form], self._exchange(then)[form], self._exchange(link)[form],
                   then.bytes_per_s, link.bytes_per_s)
 
   def _far(self, form: str, link: Link, step_s: float, step: int) -> bool:
@@ -643,7 +269,7 @@ class AutoExchange:
     level, step_s, steps = observed
     form = "dense" if level == self.dense_level else "sparse"
     how = f"observed over {steps} steps"
-    step_s, self.probe_s = _slowest([step_s, probe_s])
+    step_s, self.probe_s = slowest([step_s, probe_s])
     ran = self.levels[level] if form == "sparse" else 1.0
     link = self._fit(link, {form: step_s}, ran)
     if form == "sparse" and ran != self.compression.density:  # a warm-up level: to the final
@@ -653,11 +279,11 @@ class AutoExchange:
         return None
       how += f" at density {ran:.3g}"
     steps = {form: step_s}
-    if self._stale(other := _other(form), link):  # the other form timed again at this link
+    if self._stale(other := other_form(form), link):  # the other form timed again at this link
       if self._far(other, link, step_s, step):
         how += f"; {other} not timed again (the link moved far off)"
       else:
-        steps[other], = _slowest([self._time_step(self._level_of(other, step), state, batch)])
+        steps[other], = slowest([self._time_step(self._level_of(other, step), state, batch)])
         how += f"; {other} timed again (the link moved)"
         link = self._fit(link, {other: steps[other]})
     return form, steps, how, link
@@ -672,7 +298,7 @@ class AutoExchange:
   def _read_again(self, read: Link) -> Link:
     """The link read a second time, the faster read kept (a misread only ever reads slow: a
     stall, another process on the core); noted for the log."""
-    again, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
+    again, self._link, _ = probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
     self._reread = (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
                     f"{8e-6 * again.bytes_per_s:.3g} Mbit/s), the faster kept")
     return faster(read, again, 4 * self.shard)
@@ -686,8 +312,8 @@ class AutoExchange:
     forward and backward pass and update; the selection is part of the sparse exchange)."""
     now = self._exchange(link)
     form = self.form or min(FORMS, key=now.__getitem__)
-    step_s, = _slowest([self._time_step(self._level_of(form, step), state, batch)])
-    steps, other = {form: step_s}, _other(form)
+    step_s, = slowest([self._time_step(self._level_of(form, step), state, batch)])
+    steps, other = {form: step_s}, other_form(form)
     link = self._fit(link, steps)
     # the first measurement: the other form's step too, unless its exchange alone rules it out
     # (running it cost the CNN at 10 Mbit/s its compilation and two 1.2 s steps, the MNIST MLP
@@ -708,7 +334,7 @@ class AutoExchange:
                f"{1e3 * self._exchange(link)[other]:.0f} ms, its rest taken as {form}'s)")
       else:
         steps[other] = self._time_step(self._level_of(other, step), state, batch)
-    values = _slowest([*steps.values(), probe_s])
+    values = slowest([*steps.values(), probe_s])
     steps, self.probe_s = dict(zip(steps, values)), values[-1]
     return form, steps, how, self._fit(link, steps)
 
@@ -721,7 +347,7 @@ class AutoExchange:
     self._start = time.perf_counter()  # (the window's steps waited for are the run's, not ours)
     self._untimed = []
     # (the guide is the same on every process: fitted from the slowest times)
-    read, self._link, _ = _probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
+    read, self._link, _ = probe_link(self.setup.mesh, self.shard, self._link, self._untimed)
     self._reread = ""
     # read again before timing a form where a form's rest was taken at a link far from this
     # read (at the first measurement only where the read would leave the dense form unrun:
@@ -730,7 +356,7 @@ class AutoExchange:
       read = self._read_again(read)
     if self._select_s is None:  # one untimed call of each (compilation), then the fewest
       t0 = time.perf_counter()
-      self._select_s, = _slowest([_probe_select(self.compression.selector, self.shard, self.k,
+      self._select_s, = slowest([probe_select(self.compression.selector, self.shard, self.k,
                                                 self.nodes)])
       self._untimed.append(time.perf_counter() - t0)
     spread = None  # (not measured where it cannot change the factor)
@@ -749,13 +375,13 @@ class AutoExchange:
     else:  # (no window, or one at a warm-up level far from the final density)
       observed = None
       form, steps, how, link = self._timed_steps(step, read, probe_s, state, batch)
-    other = _other(form)
+    other = other_form(form)
     now = {f: s - self._exchange(link)[f] for f, s in steps.items()}  # (`rests`)
     self._rest_link.update(dict.fromkeys(now, link))
     if self._resized_from is not None:  # the first measurement at a new input size
       if observed is None and len(now) == 1 and set(self._resized_from) == set(FORMS):
-        now[other], moved = _moved(self._resized_from, form, now[form])
-        how += f"; {other} moved by {1e3 * moved:+.1f} ms (the new input size)"
+        now[other], change = moved(self._resized_from, form, now[form])
+        how += f"; {other} moved by {1e3 * change:+.1f} ms (the new input size)"
       self._resized_from = None
     how += self._reread
     if link != read:
@@ -766,8 +392,8 @@ class AutoExchange:
     else:
       self._seen.add(form)
       if len(steps) > 1:  # the other form timed again: its observation no longer holds
-        self._timed[_other(form)] = now[_other(form)]
-        self._seen.discard(_other(form))
+        self._timed[other_form(form)] = now[other_form(form)]
+        self._seen.discard(other_form(form))
       now = with_run_costs(now, form, self._timed, self._seen)
     self._rest.update(now)
     return m
@@ -791,7 +417,7 @@ class AutoExchange:
     where measurements go on (`auto.probe_budget` > 0), the run has 4 trials' steps left after
     the density warm-up, and once per form; the trial itself waits for the warm-up's end (the
     sparse form at its final density: `before_step`, `_next_close`)."""
-    other = _other(chosen)
+    other = other_form(chosen)
     to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * factor}
     if (other in self._seen or any(e.get("trial") == other for e in self.history)
         or not self.options.probe_budget
@@ -815,7 +441,7 @@ class AutoExchange:
     """Whether the input's shape changed since the last step (progressive resizing): the run
     then measures again now, outside the cadence. Only the compute changes with the input, not
     the exchange (the parameters are the same), so the form in force is timed at the new size
-    and the other form's rest moved by the same difference (`_moved`); what the run added to
+    and the other form's rest moved by the same difference (`moved`); what the run added to
     each step at the old size, and the window, are dropped."""
     before, self._shape = self._shape, _shape_of(batch)
     if before is None or before == self._shape:
