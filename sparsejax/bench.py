@@ -25,7 +25,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["pin_to_core", "pinning", "exclusive", "running", "wait_all", "TimedLog", "RUN_TOKEN",
-           "launched_pids", "launch_workers", "ROOT", "portable_path", "resolve", "command_line",
+           "launched_pids", "launch_workers", "ROOT", "portable_path", "git_commit", "resolve",
+           "command_line",
            "spread", "footer", "json_path", "write_atomic", "write_results"]
 
 RUN_TOKEN = "SPARSEJAX_RUN_TOKEN"  # in the environment of one run's launched processes
@@ -192,6 +193,20 @@ def portable_path(path: str) -> str:
   if full == ROOT or full.startswith(ROOT + os.sep):
     return os.path.relpath(full, ROOT)
   return path
+
+
+def git_commit() -> str:
+  """The checkout's commit (short hash, "+dirty" where tracked files differ from it), or
+  "unknown" outside a git checkout: what a result was measured with."""
+  import subprocess
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                          capture_output=True, text=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           check=True, capture_output=True, text=True, timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
 
 
 def resolve(path: str) -> str:

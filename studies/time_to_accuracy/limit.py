@@ -1,0 +1,246 @@
+"""The limit ratio: a system's time to the target at a slow link over its time at an unlimited
+link, both trained end to end in the same command (1.0: its exchange costs nothing).
+
+  python -m studies.time_to_accuracy.limit --config configs/tta_fmnist_resnet.py \
+      --systems hitopk-0.04-mc-mean-w3,hitopk-0.04-mc-mean-w3+experimental.wire=pairs4 \
+      --baselines dense,torch-ddp --link 10mbit --seeds 3 --out $OUT
+
+Each seed trains, on the study's emulated cluster (`studies.time_to_accuracy.run`'s processes,
+one a node):
+  at the unlimited link, each of `--systems` and sparsejax dense over the whole recipe (their
+      final metric: the link does not change a fixed system's trajectory, only its time);
+  at `--link`, each of `--systems` and `--baselines` (sparsejax dense, PyTorch DDP) to its first
+      evaluation at the target (stopped there).
+The links alternate in order between seeds, and the systems rotate, so that the machine's drift
+falls on every system alike. Reported per system (min / median / max over the seeds, each a
+ratio within one seed): the limit ratio; the same over the steps after the recipe's dense start
+(from the first evaluation past it), where the recipe has one; each baseline's time at the link
+over the system's; the final metric against dense's. No step time is swept or modelled: every
+time is a run's own clock from its first step to the evaluation that reached the target
+(evaluations not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+from sparsejax.bench import command_line, git_commit, json_path, portable_path, write_results
+from studies.time_to_accuracy import run as tta
+from studies.time_to_accuracy.analysis import steps_to_target
+from studies.time_to_accuracy.systems import (
+  QUICK_SETS,
+  check_mesh,
+  load_task,
+  parse_bandwidths,
+  system_spec,
+)
+
+MODULE = "studies.time_to_accuracy.limit"
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNLIMITED = "unlimited"
+
+
+def schedule(systems: list[str], baselines: list[str], link: str, seeds: int
+             ) -> list[tuple[int, str, str, bool]]:
+  """The runs in order: (seed, link, system, whole recipe?). Seed s takes the links in turn
+  (unlimited first on even seeds) and the systems rotated by s."""
+  at_unlimited = systems + (["dense"] if "dense" not in systems else [])
+  at_link = systems + [b for b in baselines if b not in systems]
+  runs = []
+  for seed in range(seeds):
+    order = [(UNLIMITED, at_unlimited, True), (link, at_link, False)]
+    for name, names, whole in (order if seed % 2 == 0 else order[::-1]):
+      turn = seed % len(names)
+      runs += [(seed, name, system, whole) for system in names[turn:] + names[:turn]]
+  return runs
+
+
+def _range(values: list[float], digits: int = 2, suffix: str = "") -> str:
+  if not values:
+    return "-"
+  v = sorted(values)
+  return " / ".join(f"{x:.{digits}f}{suffix}" for x in (v[0], statistics.median(v), v[-1]))
+
+
+def analyse(results: dict) -> dict[str, dict[str, list[float]]]:
+  """Per system: the limit ratios, the ratios after the dense start, each baseline's time
+  over the system's at the link, and the final metric's difference from dense's (accuracy:
+  points; loss: per cent of dense's), each one value a seed."""
+  meta, runs = results["meta"], results["runs"]
+  link = meta["link"]
+  by = {(r["system"], r["link"], r["seed"]): r for r in runs}
+  out: dict[str, dict[str, list[float]]] = {}
+  for system in meta["systems"]:
+    s = out.setdefault(system, {"limit": [], "limit_after_dense": [], "final_vs_dense": [],
+                                **{f"{b}_over": [] for b in meta["baselines"]}})
+    for seed in range(meta["seeds"]):
+      fast, slow = by.get((system, UNLIMITED, seed)), by.get((system, link, seed))
+      if fast and slow and fast["reached"] and slow["reached"]:
+        s["limit"].append(slow["reached"]["train_time_s"] / fast["reached"]["train_time_s"])
+        if fast.get("after_dense") and slow.get("after_dense"):
+          s["limit_after_dense"].append(slow["after_dense"] / fast["after_dense"])
+      for b in meta["baselines"]:
+        other = by.get((b, link, seed))
+        if slow and other and slow["reached"] and other["reached"]:
+          s[f"{b}_over"].append(other["reached"]["train_time_s"]
+                                / slow["reached"]["train_time_s"])
+      dense = by.get(("dense", UNLIMITED, seed))
+      if fast and dense and fast.get("final") is not None and dense.get("final") is not None:
+        diff = fast["final"] - dense["final"]
+        s["final_vs_dense"].append(100 * diff if meta["target_metric"] == "accuracy"
+                                   else 100 * diff / dense["final"])
+  return out
+
+
+def make_table(results: dict, analysis: dict) -> str:
+  meta = results["meta"]
+  link, metric = meta["link"], meta["target_metric"]
+  by_system: dict[tuple[str, str], list[dict]] = {}
+  for r in results["runs"]:
+    by_system.setdefault((r["system"], r["link"]), []).append(r)
+  unit = "points" if metric == "accuracy" else "% of dense's"
+  lines = [f"Limit ratio on {meta['task']}, {meta['nodes']} emulated nodes: time to the target "
+           f"({metric} {meta['target']}) at {link} over the same system's at the unlimited "
+           f"link, both trained end to end (seeds: min / median / max, each a ratio within one "
+           f"seed; evaluations not counted).", "",
+           f"| system | time to target s, unlimited | time to target s, {link} | limit ratio | "
+           f"limit ratio after the dense start | "
+           + " | ".join(f"{b} at {link} / system" for b in meta["baselines"])
+           + f" | final {metric} - dense's ({unit}) |",
+           "|---|" + "---:|" * (5 + len(meta["baselines"]))]
+
+  def times(system, name):
+    return [r["reached"]["train_time_s"] for r in by_system.get((system, name), [])
+            if r["reached"]]
+
+  for system, a in analysis.items():
+    lines.append(
+        f"| {system} | {_range(times(system, UNLIMITED), 1)} | {_range(times(system, link), 1)}"
+        f" | {_range(a['limit'])} | {_range(a['limit_after_dense'])} | "
+        + " | ".join(_range(a[f"{b}_over"]) for b in meta["baselines"])
+        + f" | {_range(a['final_vs_dense'], 2)} |")
+  lines += ["", f"| baseline | time to target s, {link} |", "|---|---:|"]
+  for b in meta["baselines"]:
+    if b not in analysis:
+      lines.append(f"| {b} | {_range(times(b, link), 1)} |")
+  missed = [f"{r['system']} seed {r['seed']} at {r['link']}" for r in results["runs"]
+            if not r["reached"]]
+  failed = [f"{f['system']} seed {f['seed']} at {f['link']}" for f in results.get("failed", [])]
+  if missed or failed:
+    lines += ["", "Not at the target: " + "; ".join(missed + failed) + "."]
+  lines += ["", f"Command: `{meta['command']}`; commit {meta['commit']}; machine: "
+            f"{meta['machine']} ({meta['cpus']} cores); date: {meta['date']}."]
+  return "\n".join(lines)
+
+
+def _row(raw: dict, system: str, seed: int, link: str, whole: bool, config, dense_steps: int
+         ) -> dict:
+  """A run's record: the evaluation that reached the target, the time from the first
+  evaluation past the dense start to it, and the final metric of a whole recipe."""
+  metric = config.target_metric
+  curve = raw["curve"]
+  hit = steps_to_target(curve, config.target_value, metric)
+  row: dict[str, Any] = {"system": system, "seed": seed, "link": link, "reached": hit,
+                         "final": curve[-1][metric] if whole and curve else None,
+                         "curve": curve}
+  if hit and dense_steps:
+    past = [p for p in curve if dense_steps <= p["step"] <= hit["step"]]
+    if past and past[0]["step"] < hit["step"]:
+      row["after_dense"] = hit["train_time_s"] - past[0]["train_time_s"]
+  return row
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default=os.path.join(tta.ROOT, "configs", "tta_fmnist_mlp.py"))
+  ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+  ap.add_argument("--systems", default="hitopk-0.01-mc",
+                  help="the systems whose limit is measured (at both links)")
+  ap.add_argument("--baselines", default="dense,torch-ddp",
+                  help="trained at --link only, to compare with (empty: none)")
+  ap.add_argument("--link", default="100mbit", help="the slow link")
+  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--run-timeout", type=int, default=1800,
+                  help="seconds one process run may take")
+  ap.add_argument("--lock", help="a file to flock around each process run")
+  ap.add_argument("--quick", action="store_true",
+                  help="CI smoke run: the study's --quick task, hitopk-0.01 against dense at "
+                  "200 Mbit/s, 1 seed")
+  ap.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "limit.json"))
+  args = ap.parse_args(argv)
+  argv_used = list(sys.argv[1:] if argv is None else argv)
+  args.config = os.path.abspath(args.config)
+  if args.quick:
+    args.sets = QUICK_SETS + args.sets
+    args.systems, args.baselines, args.link, args.seeds = "hitopk-0.01", "dense", "200mbit", 1
+  systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+  baselines = [s.strip() for s in args.baselines.split(",") if s.strip()]
+  if not systems:
+    ap.error("--systems is empty: name at least one system")
+  if args.seeds < 1:
+    ap.error(f"--seeds must be >= 1, got {args.seeds}")
+  try:
+    for system in systems + baselines:
+      system_spec(system)
+    if any(system_spec(s)[0] != "jax" for s in systems):
+      raise ValueError(f"--systems are sparsejax systems (PyTorch's go in --baselines), got "
+                       f"{args.systems!r}")
+    (link, bps), = parse_bandwidths(args.link)
+    if bps is None:
+      raise ValueError("--link is the slow link: a rate such as 10mbit, not unlimited")
+    config = load_task(args.config, args.sets)
+    check_mesh(config)
+  except ValueError as e:
+    ap.error(str(e))
+  from sparsejax import cluster
+  from sparsejax import data as data_lib
+  from sparsejax.train import make_plan
+  steps_per_epoch = data_lib.open_inputs(config).steps_per_epoch
+  results: dict[str, Any] = {"meta": {
+      "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
+      "target_metric": config.target_metric, "config": portable_path(args.config),
+      "sets": args.sets, "systems": systems, "baselines": baselines, "link": link,
+      "seeds": args.seeds, "nodes": config.mesh.nodes, "local": config.mesh.local,
+      "machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+      "commit": git_commit(), "command": command_line(MODULE, argv_used)}, "runs": []}
+  partial = os.path.splitext(args.out)[0] + ".partial.json"
+  with cluster.EmulatedCluster(config.mesh.nodes, None,
+                               prefix=f"lim{uuid.uuid4().hex[:6]}") as c:
+    for seed, name, system, whole in schedule(systems, baselines, link, args.seeds):
+      cfg = load_task(args.config, args.sets, system, seed)
+      rate = None if name == UNLIMITED else bps
+      extra = ["--seed", str(seed), "--bandwidths", "[]", "--headline", json.dumps(rate),
+               "--levels", "[]", "--cluster-prefix", c.prefix, "--warmup", "0", "--reps", "1"]
+      if not whole:
+        extra.append("--stop-at-target")
+      raw = tta._run_with_retry(c, system, seed, args, extra, sys.stdout, rate)
+      if raw is None:
+        results.setdefault("failed", []).append({"system": system, "seed": seed, "link": name})
+        continue
+      dense_steps = (make_plan(cfg, steps_per_epoch).dense_steps
+                     if system_spec(system)[0] == "jax" else 0)
+      row = _row(raw, system, seed, name, whole, cfg, dense_steps)
+      results["runs"].append(row)
+      print(json.dumps({k: row[k] for k in ("system", "seed", "link", "reached", "final")}),
+            flush=True)
+      write_results(partial, results, "partial: not analysed yet")
+  results["analysis"] = analyse(results)
+  md = write_results(args.out, results, make_table(results, results["analysis"]))
+  for leftover in (partial, os.path.splitext(partial)[0] + ".md"):
+    if os.path.exists(leftover):
+      os.remove(leftover)
+  print(open(md).read())
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

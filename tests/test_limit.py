@@ -1,0 +1,83 @@
+"""studies/time_to_accuracy/limit.py: the runs' order, the ratios against hand-computed values,
+and (integration tier) its --quick run on the emulated cluster."""
+
+import json
+
+import pytest
+
+from studies.time_to_accuracy import limit
+
+
+def test_each_seed_alternates_the_links_and_rotates_the_systems():
+  runs = limit.schedule(["a", "b"], ["dense", "torch-ddp"], "10mbit", 2)
+  assert runs[:3] == [(0, "unlimited", "a", True), (0, "unlimited", "b", True),
+                      (0, "unlimited", "dense", True)]
+  assert runs[3:7] == [(0, "10mbit", s, False) for s in ("a", "b", "dense", "torch-ddp")]
+  # seed 1: the slow link first, every list turned by one
+  assert runs[7:11] == [(1, "10mbit", s, False) for s in ("b", "dense", "torch-ddp", "a")]
+  assert runs[11:] == [(1, "unlimited", s, True) for s in ("b", "dense", "a")]
+
+
+def _run(system, seed, link, t, final=None, after=None):
+  row = {"system": system, "seed": seed, "link": link, "final": final,
+         "reached": None if t is None else {"step": 10, "train_time_s": t}}
+  if after is not None:
+    row["after_dense"] = after
+  return row
+
+
+def test_ratios_are_taken_within_a_seed():
+  meta = {"systems": ["s"], "baselines": ["dense", "torch-ddp"], "link": "10mbit", "seeds": 2,
+          "target_metric": "loss"}
+  runs = [_run("s", 0, "unlimited", 10.0, final=4.0, after=6.0),
+          _run("s", 0, "10mbit", 13.0, after=7.2),
+          _run("dense", 0, "unlimited", 9.0, final=4.04),
+          _run("dense", 0, "10mbit", 39.0), _run("torch-ddp", 0, "10mbit", 26.0),
+          _run("s", 1, "unlimited", 20.0, final=4.1),
+          _run("s", 1, "10mbit", 30.0), _run("dense", 1, "unlimited", 9.0, final=4.0),
+          _run("dense", 1, "10mbit", None), _run("torch-ddp", 1, "10mbit", 60.0)]
+  got = limit.analyse({"meta": meta, "runs": runs})["s"]
+  assert got["limit"] == pytest.approx([1.3, 1.5])
+  assert got["limit_after_dense"] == pytest.approx([1.2])  # seed 1 has no dense start
+  assert got["dense_over"] == pytest.approx([3.0])  # seed 1's dense missed the target
+  assert got["torch-ddp_over"] == pytest.approx([2.0, 2.0])
+  assert got["final_vs_dense"] == pytest.approx([100 * -0.04 / 4.04, 100 * 0.1 / 4.0])
+  table = limit.make_table({"meta": {**meta, "task": "t", "nodes": 2, "target": 4.5,
+                                     "command": "c", "commit": "x", "machine": "m", "cpus": 2,
+                                     "date": "d"}, "runs": runs}, {"s": got})
+  assert "| s | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | 1.30 / 1.40 / 1.50 |" in table
+  assert "dense seed 1 at 10mbit" in table  # said, not dropped silently
+
+
+def test_a_bad_link_or_system_is_refused_before_any_run(capsys):
+  with pytest.raises(SystemExit):
+    limit.main(["--link", "unlimited", "--out", "/tmp/x.json"])
+  assert "not unlimited" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    limit.main(["--systems", "torch-ddp", "--out", "/tmp/x.json"])
+  assert "PyTorch's go in --baselines" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    limit.main(["--systems", "no-such-system", "--out", "/tmp/x.json"])
+
+
+@pytest.mark.integration
+def test_quick_run_trains_both_links_end_to_end(tmp_path):
+  from tests.conftest import need_root
+  need_root("limit study")
+  out = tmp_path / "limit.json"
+  assert limit.main(["--quick", "--out", str(out)]) == 0
+  got = json.loads(out.read_text())
+  seen = {(r["system"], r["link"]) for r in got["runs"]}
+  assert seen == {("hitopk-0.01", "unlimited"), ("dense", "unlimited"),
+                  ("hitopk-0.01", "200mbit"), ("dense", "200mbit")}
+  for r in got["runs"]:
+    assert r["reached"], r  # the quick target
+    whole = r["link"] == "unlimited"
+    assert (r["final"] is not None) == whole
+    if not whole:  # stopped at the target
+      assert r["curve"][-1]["step"] == r["reached"]["step"]
+  a = got["analysis"]["hitopk-0.01"]
+  assert len(a["limit"]) == 1 and a["limit"][0] > 0.5
+  assert "Command: `python -m studies.time_to_accuracy.limit --quick" in (
+      out.with_suffix(".md").read_text())
+  assert got["meta"]["commit"] != "unknown"
