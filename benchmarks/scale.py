@@ -67,6 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 ALGORITHMS = ("allgather", "gtopk", "dense")
+# gTop-k's network part in pieces (`--algorithms` names them; not in the default): its merge
+# rounds alone (`comm.gtopk_positions`) and the psum of the k sums alone
+PARTS = ("gtopk-merge", "psum-k")
 PHASES = ("select", "exchange", "apply", "full")
 QUICK = {"nodes": "2,3", "rate": "100mbit", "runs": 1, "reps": 2, "size": "tiny",
          "density": 0.01, "dense_fraction": 1}
@@ -137,10 +140,14 @@ def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, A
               *comm.gtopk_settle(v, i, Feedback(r), pos, sums, n, False))),
           "full": full("gtopk")},
       "dense": {"exchange": smap(lambda x: lax.psum(x, WORKERS)), "n": n_dense},
+      "gtopk-merge": {"select": smap(select),
+                      "exchange": smap(lambda v, i: comm.gtopk_positions(v, i, n, WORKERS))},
+      "psum-k": {"exchange": smap(lambda x: lax.psum(x, WORKERS)), "n": k},
   }
 
 
-def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str, float]:
+def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args, x_k=None
+               ) -> dict[str, float]:
   """One call of `name` on this node: each phase's seconds, the bytes its link sent and its
   CPU seconds during the exchange, the machine's idle share then."""
   import jax
@@ -149,8 +156,8 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str
   rec: dict[str, Any] = {}
   barrier()
   time.sleep(args.compute_ms / 1e3)  # the compute: the host idle, as under a GPU's backward
-  inputs: tuple = (x_dense,)
-  if name != "dense":
+  inputs: tuple = (x_k,) if name == "psum-k" else (x_dense,)
+  if "select" in progs:
     t = time.perf_counter()
     v, i, kept = jax.block_until_ready(progs["select"](x, r))
     rec["select"] = time.perf_counter() - t
@@ -165,7 +172,7 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args) -> dict[str
   idle2 = _cpu_idle_jiffies()
   rec["machine_idle"] = (idle2[0] - idle[0]) / max(1, idle2[1] - idle[1])
   rec["link_bytes"] = cluster.link_sent_bytes() - sent
-  if name == "dense":
+  if "apply" not in progs:
     return rec
   t = time.perf_counter()
   local = (v, i, kept, *out) if name == "gtopk" else out
@@ -194,10 +201,11 @@ def run_worker(args) -> None:
   mesh = make_mesh(nodes, 1)
   spec = P(WORKERS)
   put = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)  # noqa
-  n = SIZES[args.size]
+  n = SIZES.get(args.size) or int(args.size)
   k, n_dense = max(1, round(args.density * n)), n // args.dense_fraction
   x_np = gradient(rank, n, args.seed)
   x, r, x_dense = put(x_np), put(np.zeros(n, np.float32)), put(x_np[:n_dense].copy())
+  x_k = put(x_np[:k].copy())
   del x_np
   token = put(np.ones(1, np.float32))
   sync = jax.jit(jax.shard_map(lambda t: jax.lax.psum(t, WORKERS), mesh=mesh, in_specs=spec,
@@ -208,7 +216,7 @@ def run_worker(args) -> None:
   mine: dict[str, list[dict]] = {name: [] for name in names}
   for call in range(args.warmup + args.reps):  # the algorithms take turns, call by call
     for name in names:
-      rec = _time_call(name, programs[name], x, r, x_dense, barrier, args)
+      rec = _time_call(name, programs[name], x, r, x_dense, barrier, args, x_k)
       if call >= args.warmup:
         mine[name].append(rec)
   # every node's records to rank 0 (one array of numbers per algorithm and field)
@@ -293,8 +301,8 @@ def analyse(results: dict) -> list[dict]:
           results["meta"]["cpus"] * _median_per_run(r, algorithm, "exchange")) for r in mine]
       n, k = mine[0]["n"], mine[0]["k"]
       length = mine[0]["n_dense"] if algorithm == "dense" else n
-      row["wire_bytes"] = comm.wire_bytes(algorithm, n=length, k=k, nodes=nodes,
-                                          local=1)["inter"]
+      row["wire_bytes"] = None if algorithm in PARTS else comm.wire_bytes(
+          algorithm, n=length, k=k, nodes=nodes, local=1)["inter"]
       rate = results["meta"]["rate_bps"]
       row["link_busy"] = [b * 8 / rate / t for b, t in
                           zip(row["node0_link_bytes"], row["exchange_s"])] if rate else None
@@ -331,15 +339,22 @@ def make_tables(results: dict, rows: list[dict]) -> str:
                  f"{spread(gt['exchange_s']) if gt else '-'} | {spread(ups.get(nodes, []))}x | "
                  f"{spread(de['exchange_s']) if de else '-'} | "
                  f"{spread(de['exchange_s'], 1, scale) if de else '-'} |")
+  parts = [r for r in rows if r["algorithm"] in PARTS]
+  if parts:
+    lines += ["", "gTop-k's network part in pieces (seconds, min / median / max over runs): its "
+              "merge rounds alone (`comm.gtopk_positions`) and the psum of its k sums alone:",
+              "", "| nodes | part | exchange s |", "|---:|---|---:|"]
+    lines += [f"| {r['nodes']} | {r['algorithm']} | {spread(r['exchange_s'])} |" for r in parts]
   lines += ["", "Bytes each node's link sent per exchange (interface counter, headers included; "
             "mean over nodes, median run) against the model's bytes of the busiest worker "
             "(`comm.wire_bytes`):", "", "| nodes | algorithm | measured KB mean | measured KB "
             "max | wire_bytes KB | measured / model |", "|---:|---|---:|---:|---:|---:|"]
   for r in rows:
     mean = statistics.median(r["link_bytes_mean"])
+    model = (f"{r['wire_bytes'] / 1e3:.1f} | {mean / r['wire_bytes']:.2f}"
+             if r["wire_bytes"] else "- | -")  # (gTop-k's parts: no model of their own)
     lines.append(f"| {r['nodes']} | {r['algorithm']} | {mean / 1e3:.1f} | "
-                 f"{statistics.median(r['link_bytes_max']) / 1e3:.1f} | "
-                 f"{r['wire_bytes'] / 1e3:.1f} | {mean / r['wire_bytes']:.2f} |")
+                 f"{statistics.median(r['link_bytes_max']) / 1e3:.1f} | {model} |")
   lines += ["", "Is the link what the exchange waits on? During the exchange: the machine's idle "
             "share (/proc/stat, all cores), the workers' CPU seconds over cores x wall time, and "
             "node 0's link busy share (its bytes at the link's rate over the wall time):", "",
@@ -358,7 +373,7 @@ def make_tables(results: dict, rows: list[dict]) -> str:
             "| nodes | algorithm | select | exchange | apply | full | step |",
             "|---:|---|---:|---:|---:|---:|---:|"]
   for r in rows:
-    if r["algorithm"] == "dense":
+    if r["algorithm"] == "dense" or r["algorithm"] in PARTS:
       continue
     med = {p: statistics.median(v for v in r[p + "_s"] if v is not None) for p in PHASES}
     step = m["compute_ms"] / 1e3 + med["select"] + med["exchange"] + med["apply"]
@@ -412,7 +427,8 @@ def main(argv=None) -> int:
   ap.add_argument("--runs", type=int, default=3, help="separate process runs per node count")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--size", default="resnet50", choices=sorted(SIZES))
+  ap.add_argument("--size", default="resnet50",
+                  help=f"float32 per node: one of {', '.join(sorted(SIZES))} or a count")
   ap.add_argument("--density", type=float, default=0.001)
   ap.add_argument("--dense-fraction", type=int, default=128)
   ap.add_argument("--compute-ms", type=float, default=37.7)
@@ -450,15 +466,18 @@ def drive(ap, args, argv: list[str]) -> int:
     ap.error(f"--nodes must be integers >= 2 and --rate a rate such as 10mbit: {e}")
   if min(nodes) < 2 or max(nodes) > 64:
     ap.error(f"--nodes must be in [2, 64], got {args.nodes}")
-  bad = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
+  bad = [a for a in args.algorithms.split(",") if a not in ALGORITHMS + PARTS]
   if bad:
-    ap.error(f"unknown algorithm(s) {bad}; allowed: {', '.join(ALGORITHMS)}")
+    ap.error(f"unknown algorithm(s) {bad}; allowed: {', '.join(ALGORITHMS + PARTS)}")
   for name in ("runs", "reps", "dense_fraction"):
     if getattr(args, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   if not 0 < args.density <= 1:
     ap.error(f"--density must be in (0, 1], got {args.density}")
-  n = SIZES[args.size]
+  n = SIZES.get(args.size) or (int(args.size) if args.size.isdigit() else 0)
+  if n < 2:
+    ap.error(f"--size must be one of {', '.join(sorted(SIZES))} or a count >= 2, "
+             f"got {args.size!r}")
   meta = {"size": args.size, "n": n, "k": max(1, round(args.density * n)),
           "n_dense": n // args.dense_fraction, "density": args.density,
           "dense_fraction": args.dense_fraction, "rate": args.rate, "rate_bps": args.rate_bps,

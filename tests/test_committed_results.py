@@ -13,7 +13,7 @@ import pytest
 from sparsejax.bench import ROOT
 from studies.auto import end_to_end
 from studies.convergence import run as convergence
-from studies.time_to_accuracy import analysis, systems
+from studies.time_to_accuracy import analysis, limit, systems
 from studies.worker_scaling import applied, at_nodes, projected, residuals
 from studies.worker_scaling import run as worker_scaling
 
@@ -35,13 +35,24 @@ def _same_table(got_json: str, committed_json: str) -> None:
   assert _table(os.path.splitext(got_json)[0] + ".md") == want, committed_json
 
 
-@pytest.mark.parametrize("name", _committed("studies/time_to_accuracy/results/*.json"))
+_LIMITS = "studies/time_to_accuracy/results/limit_*.json"
+
+
+@pytest.mark.parametrize("name", sorted(set(_committed("studies/time_to_accuracy/results/*.json"))
+                                        - set(_committed(_LIMITS))))
 def test_a_time_to_accuracy_result_analyses_to_its_table(name, tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
   with open(name) as f:
     results = json.load(f)
   out = str(tmp_path / os.path.basename(name))
   analysis.report(results, out)
+  _same_table(out, name)
+
+
+@pytest.mark.parametrize("name", _committed(_LIMITS))
+def test_a_limit_ratio_result_analyses_to_its_table(name, tmp_path):
+  out = str(tmp_path / os.path.basename(name))
+  assert limit.main(["--from-results", os.path.join(ROOT, name), "--out", out]) == 0
   _same_table(out, name)
 
 

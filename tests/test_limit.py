@@ -45,7 +45,8 @@ def test_ratios_are_taken_within_a_seed():
   table = limit.make_table({"meta": {**meta, "task": "t", "nodes": 2, "target": 4.5,
                                      "command": "c", "commit": "x", "machine": "m", "cpus": 2,
                                      "date": "d"}, "runs": runs}, {"s": got})
-  assert "| s | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | 1.30 / 1.40 / 1.50 |" in table
+  assert ("| s | 10 / 10 / 10 | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | 1.30 / 1.40 / 1.50 |"
+          in table)
   assert "dense seed 1 at 10mbit" in table  # said, not dropped silently
 
 
@@ -61,6 +62,7 @@ def test_a_bad_link_or_system_is_refused_before_any_run(capsys):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # (about 90 s: out of CI's budget; the study's runs are tested there)
 def test_quick_run_trains_both_links_end_to_end(tmp_path):
   from tests.conftest import need_root
   need_root("limit study")

@@ -111,19 +111,24 @@ def make_table(results: dict, analysis: dict) -> str:
            f"({metric} {meta['target']}) at {link} over the same system's at the unlimited "
            f"link, both trained end to end (seeds: min / median / max, each a ratio within one "
            f"seed; evaluations not counted).", "",
-           f"| system | time to target s, unlimited | time to target s, {link} | limit ratio | "
+           f"| system | steps to target | time to target s, unlimited | time to target s, {link} "
+           f"| limit ratio | "
            f"limit ratio after the dense start | "
            + " | ".join(f"{b} at {link} / system" for b in meta["baselines"])
            + f" | final {metric} - dense's ({unit}) |",
-           "|---|" + "---:|" * (5 + len(meta["baselines"]))]
+           "|---|" + "---:|" * (6 + len(meta["baselines"]))]
 
   def times(system, name):
     return [r["reached"]["train_time_s"] for r in by_system.get((system, name), [])
             if r["reached"]]
 
+  def steps(system):
+    return [r["reached"]["step"] for r in by_system.get((system, UNLIMITED), []) if r["reached"]]
+
   for system, a in analysis.items():
     lines.append(
-        f"| {system} | {_range(times(system, UNLIMITED), 1)} | {_range(times(system, link), 1)}"
+        f"| {system} | {_range(steps(system), 0)} | {_range(times(system, UNLIMITED), 1)} | "
+        f"{_range(times(system, link), 1)}"
         f" | {_range(a['limit'])} | {_range(a['limit_after_dense'])} | "
         + " | ".join(_range(a[f"{b}_over"]) for b in meta["baselines"])
         + f" | {_range(a['final_vs_dense'], 2)} |")
@@ -175,7 +180,15 @@ def main(argv=None) -> int:
                   help="CI smoke run: the study's --quick task, hitopk-0.01 against dense at "
                   "200 Mbit/s, 1 seed")
   ap.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "limit.json"))
+  ap.add_argument("--from-results", metavar="JSON",
+                  help="no runs: analyse a results file again, writing --out's table")
   args = ap.parse_args(argv)
+  if args.from_results:
+    with open(args.from_results) as f:
+      results = json.load(f)
+    results["analysis"] = analyse(results)
+    print(open(write_results(args.out, results, make_table(results, results["analysis"]))).read())
+    return 0
   argv_used = list(sys.argv[1:] if argv is None else argv)
   args.config = os.path.abspath(args.config)
   if args.quick:
