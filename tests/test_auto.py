@@ -371,6 +371,7 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # (55 s; CI's budget: the study's changing-link run with auto stays in CI)
 def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   """2 emulated nodes of one worker, ResNet-20 on digits: its dense exchange (1.1 MB) takes
   ~0.45 s at 20 Mbit/s against ~16 ms of compute a step, so auto starts sparse; the link is

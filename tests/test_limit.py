@@ -50,15 +50,16 @@ def test_ratios_are_taken_within_a_seed():
   assert "dense seed 1 at 10mbit" in table  # said, not dropped silently
 
 
-def test_a_bad_link_or_system_is_refused_before_any_run(capsys):
+def test_a_bad_link_or_system_is_refused_before_any_run(capsys, tmp_path):
+  out = str(tmp_path / "x.json")
   with pytest.raises(SystemExit):
-    limit.main(["--link", "unlimited", "--out", "/tmp/x.json"])
+    limit.main(["--link", "unlimited", "--out", out])
   assert "not unlimited" in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    limit.main(["--systems", "torch-ddp", "--out", "/tmp/x.json"])
+    limit.main(["--systems", "torch-ddp", "--out", out])
   assert "PyTorch's go in --baselines" in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    limit.main(["--systems", "no-such-system", "--out", "/tmp/x.json"])
+    limit.main(["--systems", "no-such-system", "--out", out])
 
 
 @pytest.mark.integration
