@@ -166,6 +166,26 @@ def test_a_prediction_is_observed_only_where_its_own_form_ran_in_the_run():
                  ("dense", "observed"), ("sparse", "timed")]
 
 
+def test_a_prediction_rests_on_the_run_s_own_steps_or_is_modelled():
+  """The controller that reads only the run's steps: a form's prediction is "observed" once its
+  own steps were read at this input size, else "modelled" (the other form's rest and the
+  modelled exchanges); a choice made before any step was read predicts nothing."""
+  def choice(step, form, how, measured, dense, sparse, **extra):
+    return {"step": step, "form": form, "why": "measured", "how": how, "measured": measured,
+            "measured_step_ms": None if measured is None else {"dense": dense,
+                                                               "sparse": sparse}[measured],
+            "dense_step_ms": dense, "sparse_step_ms": sparse, **extra}
+  choices = [choice(0, "sparse", "no step read yet: the rest taken as 0", None, 5.0, 3.0),
+             choice(4, "dense", "observed over 3 steps", "sparse", 19.0, 20.0),
+             choice(8, "sparse", "observed over 3 steps", "dense", 22.0, 19.0),
+             choice(12, "dense", "observed over 3 steps", "sparse", 24.0, 25.0),
+             choice(17, "dense", "observed over 3 steps", "dense", 30.0, 28.0, input_shape=[6]),
+             choice(21, "dense", "observed over 3 steps", "dense", 31.0, 28.0)]
+  got = [(p["form"], p["from"], p["observed_s"]) for p in e2e.predictions(choices)]
+  assert got == [("dense", "modelled", 0.022), ("sparse", "observed", 0.025),
+                 ("dense", "observed", 0.030), ("dense", "observed", 0.031)]
+
+
 def test_the_paired_ratio_takes_each_seed_against_its_own_fastest_fixed_system():
   runs = [{"seed": 0, "time_s": 5.0}, {"seed": 1, "time_s": 6.0}, {"seed": 2, "time_s": None}]
   trained = {"dense": [{"seed": 0, "time_s": 5.5}, {"seed": 1, "time_s": 7.5},

@@ -104,3 +104,11 @@ def test_every_convergence_variant_builds_a_valid_config(variant):
   from sparsejax.train import config as config_lib
   task = "kjv" if not convergence.VARIANTS[variant].get("momentum_correction") else "fashion_mnist"
   config_lib.validate(convergence.apply_variant(convergence.TASKS[task][0](True), variant))
+
+
+def test_auto_s_prior_is_the_studys_measured_factors():
+  """`auto.model.STEP_FACTORS` equals what studies/time_to_accuracy/factors.py computes from the
+  committed result files: a rerun that moves a factor moves auto's prior, or this fails."""
+  from sparsejax.train.auto.model import STEP_FACTORS
+  from studies.time_to_accuracy.factors import pooled
+  assert STEP_FACTORS == pooled()

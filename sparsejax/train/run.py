@@ -89,9 +89,8 @@ class Run:
                                                compute_mesh)
     self.auto = None
     if config.compression.algorithm == "auto":
-      self.auto = auto_lib.AutoExchange(config, self.plan, self.setup, self.state,
-                                        history=[] if history is None else history,
-                                        compiled=self.program)
+      self.auto = auto_lib.AutoExchange(config, self.plan, self.setup,
+                                        history=[] if history is None else history)
     self._eval = step_lib.jit_eval_step(self.setup, self.state)
     self._sync = step_lib.jit_sync_batch_stats(self.mesh)
 

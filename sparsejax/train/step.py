@@ -28,7 +28,7 @@ from sparsejax.train.optimizer import chain_parts
 from sparsejax.train.state import TrainSetup, TrainState, map_per_worker, state_specs
 
 __all__ = ["gradient", "apply_gradient", "train_step", "eval_step", "jit_train_step",
-           "jit_eval_step", "jit_compute_step", "jit_gradient_spread", "jit_sync_batch_stats"]
+           "jit_eval_step", "jit_sync_batch_stats"]
 
 
 def _first(tree: Any) -> Any:
@@ -195,41 +195,6 @@ def jit_train_step(setup: TrainSetup, state_like: TrainState,
                            is_leaf=lambda x: isinstance(x, P))
   return jax.jit(fn, donate_argnums=0,
                  out_shardings=(shardings, NamedSharding(setup.mesh, P())))
-
-
-def jit_compute_step(setup: TrainSetup, state_like: TrainState) -> Callable:
-  """`(state, inputs, labels) -> float32[workers]`: the train step's forward and backward pass
-  alone (each worker's gradient norm; no exchange, no update, the state not donated): what
-  `sparsejax.train.auto` times as the step's compute."""
-  def body(state, inputs, labels):
-    flat_grads, _, _ = gradient(setup, state.step, state.params, _first(state.batch_stats),
-                                inputs, labels)
-    return flat_grads.sum()[None]
-
-  fn = jax.shard_map(body, mesh=setup.mesh,
-                     in_specs=(state_specs(state_like), P(WORKERS), P(WORKERS)),
-                     out_specs=P(WORKERS), check_vma=False)
-  return jax.jit(fn)
-
-
-def jit_gradient_spread(setup: TrainSetup, state_like: TrainState) -> Callable:
-  """`(state, inputs, labels) -> float32[]`: the forward and backward pass, then the spread
-  `||g||_1^2 / (n ||g||_2^2)` of each node's gradient (its workers' sum: what a node's error
-  feedback accumulates), the mean over the nodes (the state not donated; no collective over the
-  node link but a scalar's): what `sparsejax.train.auto` reads the lag from
-  (`auto.lag_steps`) and times as the step's compute."""
-  def body(state, inputs, labels):
-    flat_grads, _, _ = gradient(setup, state.step, state.params, _first(state.batch_stats),
-                                inputs, labels)
-    node = jax.lax.psum(flat_grads, "local")
-    l1, l2 = jnp.sum(jnp.abs(node)), jnp.sum(jnp.square(node))
-    spread = jnp.where(l2 > 0, l1 * l1 / (node.size * jnp.maximum(l2, 1e-30)), 1.0)
-    return jax.lax.pmean(spread, WORKERS)
-
-  fn = jax.shard_map(body, mesh=setup.mesh,
-                     in_specs=(state_specs(state_like), P(WORKERS), P(WORKERS)),
-                     out_specs=P(), check_vma=False)
-  return jax.jit(fn)
 
 
 def jit_eval_step(setup: TrainSetup, state_like: TrainState) -> Callable:

@@ -94,21 +94,26 @@ def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """Each measured choice's predicted step for the form it ran next against that form's step as
   the next choice observed it in the run: [{"form", "predicted_s", "observed_s", "from"}];
   "from": "observed" where the prediction rests on that form's own steps in the run (observed
-  at this choice or an earlier one, not timed again since), else "timed" (its step timed on a
-  copy of the state, with what the run added to the other form)."""
+  at this choice or an earlier one at this input size), else "modelled" (the other form's steps
+  and the modelled exchanges), or, in runs of the controller before 2026-12-06, "timed" (its
+  step timed on a copy of the state at the first measurement)."""
   out, seen = [], set()
+  unseen = "timed" if any(c.get("how", "").startswith("timed") for c in choices) else "modelled"
   for c, after in zip(choices, [*choices[1:], None]):
     how = c.get("how", "")
+    if "input_shape" in c and unseen == "modelled":
+      seen = set()
     if how.startswith("observed"):
       seen.add(c["measured"])
     seen -= {f for f in ("dense", "sparse") if f"{f} timed again" in how}
     if how.startswith("timed"):
       seen.discard(c["measured"])
     if (after is not None and c.get("why") == "measured" and after.get("why") == "measured"
+        and c.get("measured") is not None  # (a choice before any step read: no rest behind it)
         and after.get("how", "").startswith("observed") and after["measured"] == c["form"]):
       out.append({"form": c["form"], "predicted_s": c[f"{c['form']}_step_ms"] / 1e3,
                   "observed_s": after["measured_step_ms"] / 1e3,
-                  "from": "observed" if c["form"] in seen else "timed"})
+                  "from": "observed" if c["form"] in seen else unseen})
   return out
 
 
@@ -249,8 +254,11 @@ def table(results: dict[str, Any]) -> str:
   if checked:
     lines += ["", "Each form's step (ms) as auto predicted it at a choice against the step the "
               "run then took in that form (the next choice's observation of it; pairs over "
-              "all seeds), by what the prediction rested on: the first measurement's step timed "
-              "on a copy of the state, or a step observed in the run:", "",
+              "all seeds), by what the prediction rested on: " + (
+                  "the first measurement's step timed on a copy of the state, or a step observed "
+                  "in the run:" if not any(", modelled" in f for _, f, _ in checked) else
+                  "the other form's steps in the run and the modelled exchanges, or the form's "
+                  "own steps observed in the run:"), "",
               "| link | form, from | pairs | predicted | observed | predicted / observed |",
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "

@@ -1,42 +1,28 @@
-"""`compression.algorithm = "auto"`: the exchange chosen on the host, by measurement.
+"""`compression.algorithm = "auto"`: the exchange chosen on the host, from the run's own steps.
 
 The compressor is `auto.sparse` built with its dense form (`density_schedule(...,
 dense_form=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
-residual).
-`AutoExchange` picks the form before a step, at the first step and again whenever the last
-measurement's cost allows (`auto.probe_budget`: the measurements take at most that share of the
-run's time, `probe_interval`). No figure comes from the user or from another task: each
-measurement reads, from the run itself (every process the same probes, each figure the slowest
-process's, so all processes choose alike):
+residual). `AutoExchange` picks the form before a step, at the first step and again whenever
+the last measurement's cost allows (`auto.probe_budget`: the link probes take at most that share
+of the run's time, `probe_interval`) and once the form in force has run a few steps at a new
+input size. What it reads (every process the same probes, each figure the slowest process's, so
+all processes choose alike):
 
-  the step  the whole train step of a form, as the run takes it: at the first measurement
-            both forms' compiled steps timed on a copy of the state; later the form in force,
-            observed over the steps since the last measurement (evaluations and checkpoints
-            left out; a window restarts where the level changes); at a new input size
-            (progressive resizing) the form in force timed there and the other's step moved
-            by the same change (only the forward and backward pass depends on the input);
+  the step  the form in force's steps as the run takes them between two measurements
+            (evaluations and checkpoints left out; a window restarts where the level changes);
+            nothing is timed on a copy and no form is run to be tried;
   link      an all-reduce over the "node" axis at 4 KiB, 64 KiB and, on a fast link, at a size
             that takes about 20 ms (at most a worker's shard): a fixed cost per call and a
-            bandwidth (`fit_link`);
-  gradient  one forward and backward pass for the spread of each node's gradient,
-            ||g||_1^2 / (n ||g||_2^2) (1 for a flat gradient, 1/n for a single value),
-            averaged over the nodes; only where the lag could raise the sparse form's factor
-            above `auto.min_step_factor` (`spread_matters`), else not run;
-  select    the sparse form's local work on one shard at its final k: MSTopK with error feedback
-            and the scatter-add of every node's pairs.
+            bandwidth (`fit_link`); read twice, the faster kept, before the form is switched;
+  select    the sparse form's local work on one shard at its final k, probed once.
 
-`predict` moves each form's step to the link measured now with the library's cost model
-(`sparsejax.cost.exchange_time`): the form's step when last measured less its modelled exchange
-then, plus its modelled exchange now; the form just measured as measured. `choose` then weighs
-the forms' time over the rest of the run:
-error feedback sends each value late, so the sparse form's model lags the dense one's by about
-`lag_steps` = spread / (2 density) steps (a value whose share of the gradient's L1 norm is s
-waits about 1 / (2 k s) steps for its turn in the top k); the sparse form costs (remaining steps
-+ lag) x its step against remaining x the dense step, and the form in force is kept unless the
-other is faster by more than `auto.margin`. Where the user knows the sparse form's steps to the
-target over dense's, `auto.step_factor` replaces the lag. Not modelled: the density warm-up's
-higher levels (their steps cost more than the final density's) and any overlap of the exchange
-with compute (the step runs them in sequence).
+The decision model (`model`, pure): a form's step is its rest (the step less its modelled
+exchange, read from the run; a form not yet run takes the other's) plus its modelled exchange on
+the link read now (`sparsejax.cost.exchange_time`); the sparse form needs F times dense's steps,
+F at `auto.step_factor_quantile` of the factors measured on the study's tasks (`STEP_FACTORS`) or
+the user's `auto.step_factor`; the form in force is kept unless the other's time over the steps
+left is shorter by more than `auto.margin`. Not modelled: the density warm-up's higher levels
+(their steps cost more than the final density's) and any overlap of the exchange with compute.
 
 `auto.schedule` fixes the forms by epoch instead (no measurement): for reproducible runs, the
 tests, and the fixed schedules a study compares auto with. A schedule's "measured" entries hand
@@ -51,8 +37,8 @@ from __future__ import annotations
 from sparsejax.train.auto.controller import AutoExchange, describe
 from sparsejax.train.auto.model import (
                                         FORMS,
+                                        STEP_FACTORS,
                                         Link,
-                                        Measurement,
                                         choose,
                                         exchange_s,
                                         faster,
@@ -60,18 +46,14 @@ from sparsejax.train.auto.model import (
                                         fit_link,
                                         lag_steps,
                                         measuring,
-                                        moved_window,
+                                        moved,
                                         predict,
                                         probe_interval,
-                                        rests,
-                                        spread_matters,
-                                        stale,
                                         step_factor,
-                                        with_run_costs,
 )
 from sparsejax.train.auto.probes import large_probe_size
 
-__all__ = ["Link", "Measurement", "fit_link", "exchange_s", "predict", "rests", "with_run_costs",
-           "fit_in_steps", "faster", "moved_window", "stale", "large_probe_size",
-           "lag_steps", "spread_matters", "step_factor", "choose", "probe_interval",
-           "measuring", "AutoExchange", "describe", "FORMS"]
+__all__ = ["Link", "fit_link", "exchange_s", "predict", "moved",
+           "fit_in_steps", "faster", "large_probe_size", "lag_steps", "step_factor",
+           "STEP_FACTORS", "choose", "probe_interval", "measuring", "AutoExchange", "describe",
+           "FORMS"]
