@@ -49,7 +49,8 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "topk_allgather",
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
            "gtopk_sums", "merge_top", "gtopk_settle", "gather_pairs", "scatter_pairs",
-           "settle", "settle_dense", "dense_form", "wire_bytes", "axis_size", "axis_names",
+           "settle", "settle_dense", "dense_parties", "gather_dense", "dense_form", "wire_bytes",
+           "axis_size", "axis_names",
            "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
 ALGORITHMS = ("dense", "hierarchical", "allgather", "hitopk", "gtopk", "higtopk")
@@ -221,10 +222,24 @@ def settle_dense(collective: SparseCollective, part: jax.Array) -> jax.Array:
   all axes for the flat algorithms; over `node_axis` and then gathered over `local_axis` for
   the hierarchical ones (`part` is the worker's shard of its node's sum, as `scatter` gave it).
   Its bytes are `wire_bytes(dense_form(collective.name), ...)`."""
+  return gather_dense(collective, lax.psum(part, dense_parties(collective)))
+
+
+def dense_parties(collective: SparseCollective) -> tuple[str, ...]:
+  """The axes whose workers' parts `settle_dense` sums at each position: the node axis for the
+  hierarchical algorithms (a worker's part is its shard of its node's sum), else every axis."""
   if collective.name in HIERARCHICAL_ALGORITHMS:
-    node_axis, local_axis = collective.axes
-    return _all_gather(lax.psum(part, node_axis), local_axis, axis_size(local_axis))
-  return lax.psum(part, collective.axes)
+    return (collective.axes[0],)
+  return tuple(collective.axes)
+
+
+def gather_dense(collective: SparseCollective, summed: jax.Array) -> jax.Array:
+  """The whole buffer (n,) from a part summed over `dense_parties`: gathered over the local
+  axis for the hierarchical algorithms, as it is for the flat ones."""
+  if collective.name in HIERARCHICAL_ALGORITHMS:
+    local_axis = collective.axes[1]
+    return _all_gather(summed, local_axis, axis_size(local_axis))
+  return summed
 
 
 def dense_form(algorithm: str) -> str:

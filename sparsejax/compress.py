@@ -22,8 +22,10 @@ density and bytes of the last step), so `init` also runs where the axes are boun
 `topk_allreduce(density, algorithm=..., correction=..., schedule=...)` is that for the common
 case. Beside the core, two options: `tensor_balance` (each tensor's candidates scaled before the
 one selection) and `send_whole` (chosen elements sent whole every step); and the dense form, a
-level of `density_schedule(..., dense_form=True)` that all-reduces every candidate and empties
-the residual. The uncompressed baselines are `dense_mean` (one all-reduce) and
+level of `density_schedule(..., dense_form=True)` that all-reduces every candidate, empties
+the residual and makes the correction's state the workers' mean (the switch's work, once), with
+its steady step beside it (the gradient all-reduced, then the correction run on the mean: plain
+dense's work, for the steps after). The uncompressed baselines are `dense_mean` (one all-reduce) and
 `hierarchical_mean` (reduce-scatter, all-reduce, all-gather). Skipping non-finite steps is
 `sparsejax.apply_if_finite_across`'s job.
 """
@@ -111,10 +113,11 @@ class DensitySchedule(NamedTuple):
     at `count` is rounded up to (int32[])."""
     levels = self.levels
     if density_level is not None:
-      end = len(levels) + bool(self.dense_form)
+      end = len(levels) + 2 * bool(self.dense_form)
       if (isinstance(density_level, bool) or not isinstance(density_level, int)
           or not 0 <= density_level < end):
-        dense = f"; {len(levels)}: the dense form" if self.dense_form else ""
+        dense = (f"; {len(levels)}: the dense form, {len(levels) + 1}: its steady step"
+                 if self.dense_form else "")
         raise ValueError(f"density_level must be a Python int in [0, {end}) (an index into the "
                          f"levels {levels}{dense}), got {density_level!r}")
       return density_level
@@ -128,7 +131,11 @@ def density_schedule(density: float, schedule: Callable | None = None,
   """The density-schedule piece for a final `density` in (0, 1]: one level without `schedule`,
   else `density_levels(density)`, each step's `schedule(count)` rounded up to one of them (DGC's
   warm-up: start dense and decay to `density`); shapes stay static, each level compiles once.
-  `dense_form`: also offer the exchange's dense form (level `len(levels)`)."""
+  `dense_form`: also offer the exchange's dense form (level `len(levels)`: every candidate
+  all-reduced, the residual emptied, the correction's state made the workers' mean) and its
+  steady step (level `len(levels) + 1`, for a step after a dense-form step: the gradient
+  all-reduced first and the correction run on the mean, as plain dense runs its optimizer; the
+  residual, empty, not touched)."""
   if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
   if schedule is not None and not callable(schedule):
@@ -316,8 +323,8 @@ def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
 def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
                 levels: tuple[float, ...], nodes: int, local: int,
                 whole: SendWhole | None) -> jax.Array:
-  """float32[len(levels) + 1]: a worker's bytes sent at each level (with `whole`, its
-  positions' all-reduce too), and in the dense form."""
+  """float32[len(levels) + 2]: a worker's bytes sent at each level (with `whole`, its
+  positions' all-reduce too), and in the dense form and its steady step."""
   algorithm = collective.name
   hierarchical = algorithm in comm.HIERARCHICAL_ALGORITHMS
   extra = 0.0 if whole is None else whole.bytes(n, nodes, local, hierarchical)
@@ -325,7 +332,7 @@ def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
                           local=local, wire=collective.wire) for lv in levels]
   dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
   return jnp.asarray([s["inter"] + s["intra"] + extra for s in sent]
-                     + [dense["inter"] + dense["intra"]], jnp.float32)
+                     + [dense["inter"] + dense["intra"]] * 2, jnp.float32)
 
 
 def _check_pieces(collective: Any, levels: Any, feedback: Any, balance: Any,
@@ -393,7 +400,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     part = collective.scatter(layout.ravel(updates, jnp.float32))
 
     index = levels.index(state.count, density_level)
-    density = jnp.asarray(levels.levels + (1.0,), jnp.float32)[index]
+    density = jnp.asarray(levels.levels + (1.0, 1.0), jnp.float32)[index]
     sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
                        whole)[index]
 
@@ -411,9 +418,16 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
         return _send(pieces, term, memory, level, layout, local)
       return run
 
-    runs = [at(level) for level in levels.levels] + [at(None)]
+    def steady(part: jax.Array, memory: Feedback | None):
+      """The dense form's steady step (after a dense-form step): the sum first, then the
+      correction on each party's share of it (`_steady`)."""
+      if feedback is None:
+        return comm.settle_dense(collective, part), None
+      return _steady(pieces, part, memory, state.count, local if hierarchical else 1)
+
+    runs = [at(level) for level in levels.levels] + [at(None), steady]
     total, memory = (runs[index](part, state.feedback) if isinstance(index, int)
-                     else lax.switch(index, runs[:-1], part, state.feedback))
+                     else lax.switch(index, runs[:len(levels.levels)], part, state.feedback))
     return _mean_out(total, nodes * local, layout, updates), ExchangeState(
         memory, state.count + 1, density, sent)
 
@@ -459,7 +473,26 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
       total, memory = pieces.whole.send(collective, total, memory, local, masking)
     return total, memory
   total = comm.settle_dense(collective, term + memory.residual)
-  return total, memory._replace(residual=jnp.zeros_like(memory.residual))
+  parties = comm.dense_parties(collective)  # (the correction's state: their mean from here)
+  return total, memory._replace(
+      residual=jnp.zeros_like(memory.residual),
+      velocity=None if memory.velocity is None else lax.pmean(memory.velocity, parties),
+      second=None if memory.second is None else lax.pmean(memory.second, parties))
+
+
+def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array,
+            scale: int) -> tuple[jax.Array, Feedback]:
+  """The dense form's steady step: `part` summed over the parties first, then the correction
+  run on one party's share of the sum (the parties' mean) and the result scaled back to a sum:
+  momentum or Adam on the mean gradient, as plain dense runs its optimizer, and with the
+  parties' states equal (a dense-form step made them the mean) they stay equal. The residual is
+  empty after a dense-form step and is not touched; no pass over it."""
+  collective = pieces.collective
+  parties = comm.dense_parties(collective)
+  count_parties = comm.axis_size(parties)
+  share = lax.psum(part, parties) / count_parties
+  term, memory = pieces.feedback.candidates(share, memory, count, scale)
+  return comm.gather_dense(collective, term * count_parties), memory
 
 
 def topk_allreduce(density: float, *, algorithm: str = "hitopk",

@@ -338,11 +338,12 @@ def run_levels(mesh, tx, grads_seq, levels):
 @pytest.mark.parametrize("nodes,local", [(2, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("algorithm", ["hitopk", "allgather", "higtopk"])
 def test_dense_level_switch_loses_nothing(rng, nodes, local, algorithm):
-  """Sparse, dense form, sparse, sparse, dense form: a dense step sends every candidate (its
-  output is the mean of the gradients plus everything kept so far) and empties the residual;
-  sent plus kept equals the sum of the inputs after every step."""
+  """Sparse, dense form, its steady step, sparse, sparse, dense form, steady: a dense step sends
+  every candidate (its output is the mean of the gradients plus everything kept so far) and
+  empties the residual, the steady step after it sends the gradients' mean; sent plus kept
+  equals the sum of the inputs after every step."""
   p = nodes * local
-  levels = [0, 1, 0, 0, 1]  # one density level (no schedule): 1 is the dense form
+  levels = [0, 1, 2, 0, 0, 1, 2]  # one density level (no schedule): 1 the dense form, 2 steady
   seq = [grads_like(rng, p) for _ in levels]
   tx = exchange(sparse_collective(algorithm, AXES), density_schedule(0.03, dense_form=True),
                 feedback=error_feedback())
@@ -361,7 +362,7 @@ def test_dense_level_switch_loses_nothing(rng, nodes, local, algorithm):
     kept = (residual.reshape(nodes, -1).sum(0) if algorithm in ("hitopk", "higtopk")
             else residual.sum(0))[:n]
     np.testing.assert_allclose(sent + kept, fed, rtol=1e-4, atol=1e-4)
-    if levels[t - 1] == 1:
+    if levels[t - 1] in (1, 2):
       assert not residual.any()  # the dense form keeps nothing back ...
       np.testing.assert_allclose(sent, fed, rtol=1e-4, atol=1e-4)  # ... and has sent it all
       assert np.allclose(np.asarray(state.density), 1.0)
@@ -373,15 +374,16 @@ def test_dense_level_switch_loses_nothing(rng, nodes, local, algorithm):
 
 
 def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
-  """Dense steps with momentum correction and masking: the velocity runs on (nothing is
-  masked), so a run of dense steps sends exactly momentum SGD's velocity of the summed
-  gradient; a sparse step after it starts from that velocity."""
+  """Dense steps with momentum correction and masking (the dense form, then its steady step,
+  which runs the momentum on the summed gradient): the velocity runs on (nothing is masked), so
+  a run of dense steps sends exactly momentum SGD's velocity of the summed gradient; a sparse
+  step after it starts from that velocity."""
   nodes, local, m = 2, 4, 0.9
   p = nodes * local
   seq = [grads_like(rng, p) for _ in range(4)]
   tx = exchange(sparse_collective("hitopk", AXES), density_schedule(0.02, dense_form=True),
                 feedback=error_feedback(MomentumCorrection(m, masking=True)))
-  outs, state = run_levels(make_mesh(nodes, local), tx, seq, [1, 1, 1, 0])
+  outs, state = run_levels(make_mesh(nodes, local), tx, seq, [1, 2, 2, 0])  # (steady after)
   leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
                                      for x in jax.tree.leaves(t)], axis=1)
   velocity = np.zeros(leaves(seq[0]).shape[1])
@@ -389,6 +391,62 @@ def test_dense_level_with_momentum_correction_is_momentum_sgd(rng):
     velocity = m * velocity + leaves(g).sum(0)
     np.testing.assert_allclose(leaves(out)[0] * p, velocity, rtol=1e-4, atol=1e-4)
   assert np.count_nonzero(leaves(outs[3])[0]) < velocity.size // 2
+
+
+@pytest.mark.parametrize("algorithm", ["hitopk", "allgather"])
+def test_the_dense_form_makes_the_correction_s_state_the_parties_mean(rng, algorithm):
+  """A sparse step leaves each party (a node's shard under HiTopKComm, a worker under TopK
+  all-gather) its own velocity; the dense form after it makes every party's the mean (their
+  sum, what was sent, unchanged), so that its steady step can run one velocity on the mean."""
+  nodes, local, m = 2, 4, 0.9
+  p = nodes * local
+  seq = [grads_like(rng, p) for _ in range(2)]
+  tx = exchange(sparse_collective(algorithm, AXES), density_schedule(0.02, dense_form=True),
+                feedback=error_feedback(MomentumCorrection(m, masking=False)))
+  mesh = make_mesh(nodes, local)
+  _, before = run_levels(mesh, tx, seq[:1], [0])
+  _, after = run_levels(mesh, tx, seq, [0, 1])
+  u0 = np.asarray(before.feedback.velocity, np.float64).reshape(p, -1)  # (worker, its part)
+  u1 = np.asarray(after.feedback.velocity, np.float64).reshape(p, -1)
+  part = u0.shape[1]
+  grads = np.concatenate([np.asarray(x, np.float64).reshape(p, -1)
+                          for x in jax.tree.leaves(seq[1])], axis=1)
+  grads = np.pad(grads, ((0, 0), (0, part * (local if algorithm == "hitopk" else 1)
+                                  - grads.shape[1])))
+  if algorithm == "hitopk":  # worker (j, i): shard i of node j's sum; parties: the nodes
+    sums = grads.reshape(nodes, local, -1).sum(1)
+    term = np.stack([sums[w // local, (w % local) * part:(w % local + 1) * part]
+                     for w in range(p)])
+    want = (m * u0 + term).reshape(nodes, local, part).mean(0, keepdims=True)
+    want = np.broadcast_to(want, (nodes, local, part)).reshape(p, part)
+  else:  # every worker its own gradient; parties: all workers
+    want = np.broadcast_to((m * u0 + grads).mean(0), (p, part))
+  assert not np.allclose(u0, u0[:1])  # the parties' own, after the sparse step
+  np.testing.assert_allclose(u1, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_steady_dense_step_runs_adam_on_the_mean_gradient(rng):
+  """Adam correction, steady dense steps from the start (the state empty): each output is the
+  Adam direction of the workers' mean gradient (numpy), every worker the same: plain dense's
+  Adam, not a mean of the workers' directions."""
+  nodes, local = 2, 4
+  p = nodes * local
+  b1, b2, eps = 0.9, 0.98, 1e-8
+  seq = [grads_like(rng, p) for _ in range(3)]
+  tx = exchange(sparse_collective("hitopk", AXES), density_schedule(0.02, dense_form=True),
+                feedback=error_feedback(AdamCorrection(b1, b2, eps)))
+  outs, _ = run_levels(make_mesh(nodes, local), tx, seq, [2, 2, 2])
+  leaves = lambda t: np.concatenate([np.asarray(x, np.float64).reshape(p, -1)  # noqa: E731
+                                     for x in jax.tree.leaves(t)], axis=1)
+  mo = np.zeros(leaves(seq[0]).shape[1])
+  vo = np.zeros_like(mo)
+  for t, (g, out) in enumerate(zip(seq, outs, strict=True)):
+    mean = leaves(g).mean(0)
+    mo, vo = b1 * mo + (1 - b1) * mean, b2 * vo + (1 - b2) * mean * mean
+    want = (mo / (1 - b1 ** (t + 1))) / (np.sqrt(vo / (1 - b2 ** (t + 1))) + eps)
+    got = leaves(out)
+    np.testing.assert_allclose(got, np.broadcast_to(got[0], got.shape), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got[0], want, rtol=2e-3, atol=2e-4)
 
 
 @pytest.mark.parametrize("correction", [None, MomentumCorrection(0.9),
@@ -426,7 +484,7 @@ def test_the_candidates_are_each_correction_s_term_beside_the_residual(rng, corr
 
 
 def test_the_dense_form_is_a_level_of_its_own_and_levels_are_checked(rng):
-  for dense, bad in ((False, 1), (True, 2)):
+  for dense, bad in ((False, 1), (True, 3)):  # (with it: the dense form and its steady step)
     tx = exchange(sparse_collective("hitopk", AXES), density_schedule(0.1, dense_form=dense),
                   feedback=error_feedback())
     with pytest.raises(ValueError, match=f"density_level must be a Python int in \\[0, {bad}\\)"):

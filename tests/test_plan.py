@@ -94,11 +94,13 @@ def test_a_dense_start_and_auto_s_schedule_are_forms_by_step():
                    457)
   assert plan.dense_form and plan.dense_level == 1 and plan.dense_steps == 115
   assert plan.forms == ((0, "dense"), (115, "sparse"))
-  assert [plan.level(s) for s in (0, 114, 115, 456)] == [1, 1, 0, 0]
+  assert plan.steady_level == 2  # (the dense start from step 0: the state empty, steady)
+  assert [plan.level(s) for s in (0, 114, 115, 456)] == [2, 2, 0, 0]
   auto = make_plan(_config(**{"compression.algorithm": "auto", "compression.density": 0.05,
                               "auto.schedule": ((0.0, "sparse"), (300 / 457, "dense"))}), 457)
   assert auto.forms == ((0, "sparse"), (300, "dense"))
   assert auto.algorithm == "hitopk" and auto.level(299) == 0 and auto.level(300) == 1
+  assert auto.level(301) == auto.steady_level == 2  # (after the dense form's first step)
   measured = make_plan(_config(**{"compression.algorithm": "auto"}), 10)
   assert measured.forms == ((0, "measured"),)
 
@@ -161,8 +163,8 @@ def test_no_level_sends_more_bytes_than_the_dense_form(algorithm, nodes, local):
       pairs = rounds * k * 8 + (q > (1 << rounds)) * k * 4 + 2 * (q - 1) / q * k * 4
     assert (i in plan.dense_levels) == (pairs > dense), (d, pairs, dense)
   for s in range(plan.total_steps):  # the steps at those levels run the dense form's level
-    want = plan.dense_level if plan.sparse_level(s) in plan.dense_levels else plan.sparse_level(s)
-    assert plan.level(s) == want
+    dense = plan.sparse_level(s) in plan.dense_levels  # (from the start: the steady step)
+    assert plan.level(s) == (plan.steady_level if dense else plan.sparse_level(s))
   assert plan.dense_form and plan.levels[-1] == 1.0 and len(plan.levels) - 1 in plan.dense_levels
   assert all("run the dense form" in n and f"{nodes} x {local}" in n for n in plan.notes())
   assert len(plan.notes()) == len(plan.dense_levels)

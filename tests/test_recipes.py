@@ -51,7 +51,8 @@ def test_onebit_on_kjv_is_the_first_eighth_dense():
   assert config.compression.warmup_epochs == 0.0
   plan = make_plan(config, 457)
   assert plan.dense_steps == plan.freeze_variance_step == 58
-  assert [plan.level(s) for s in (0, 57, 58, 456)] == [1, 1, 0, 0]  # level 1: the dense form
+  # level 2: the dense form's steady step (from the start: the residual empty)
+  assert [plan.level(s) for s in (0, 57, 58, 456)] == [2, 2, 0, 0]
   longer = make_plan(onebit(num_epochs=3.0), 457)
   assert longer.dense_steps == longer.freeze_variance_step == math.ceil(3 * 457 / 8) == 172
 

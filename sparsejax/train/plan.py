@@ -70,7 +70,8 @@ class Plan:
     a dense one. density: its final density. levels: the static densities its warm-up is
     rounded up to (one level without a warm-up). warmup_steps_density, warmup_density: the
     density warm-up (geometric from `warmup_density` to `density`; 0 steps: none).
-  dense_form: whether the compressor offers its dense form (at level index `len(levels)`).
+  dense_form: whether the compressor offers its dense form (at level index `len(levels)`, its
+    steady step at `len(levels) + 1`).
   forms: ((first step, "dense" | "sparse" | "measured"), ...): the exchange's form by step.
   level_steps: ((first step, level index), ...): the sparse form's density level by step.
   stages: ((first step, image size or None), ...): progressive resizing.
@@ -111,8 +112,25 @@ class Plan:
 
   @property
   def dense_level(self) -> int | None:
-    """The level index of the compressor's dense form (None without one)."""
+    """The level index of the compressor's dense form (None without one): every candidate
+    all-reduced, the residual sent and emptied, the correction's state made the mean."""
     return len(self.levels) if self.dense_form else None
+
+  @property
+  def steady_level(self) -> int | None:
+    """The level index of the dense form's steady step (None without a dense form): the
+    gradient all-reduced, then the correction run on the mean, the residual untouched; plain
+    dense's work, for a step after a dense-form step (`dense_after`)."""
+    return len(self.levels) + 1 if self.dense_form else None
+
+  def dense_after(self, previous: int | None) -> int:
+    """The dense form's level for a step after one at level `previous` (None: the run's first
+    step): its steady step where the residual is empty and the correction's state the same on
+    every party (after a dense-form step, or at the start), else the dense form, which sends
+    the residual and makes the state the mean (the switch's extra work, once)."""
+    if previous is None or previous in (self.dense_level, self.steady_level):
+      return self.steady_level
+    return self.dense_level
 
   @property
   def dense_steps(self) -> int:
@@ -137,6 +155,13 @@ class Plan:
     """The compressor's level at `step` for the forms fixed by step (the dense form's in a
     dense phase; "measured" steps take the sparse form's, for auto to override); None for a
     dense algorithm (nothing to choose)."""
+    level = self._fixed_level(step)
+    if level is None or level != self.dense_level:
+      return level
+    return self.dense_after(self._fixed_level(step - 1) if step > 0 else None)
+
+  def _fixed_level(self, step: int) -> int | None:
+    """`level` before the dense form's steady step is told apart."""
     if not self.sparse:
       return None
     return self.dense_level if self.form(step) == "dense" else self.sparse_form_level(step)

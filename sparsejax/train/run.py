@@ -114,9 +114,9 @@ class Run:
 
   def compile(self) -> None:
     """Compiles, now, every train step the run passes through (each density level at each
-    image size it meets; under "auto" both forms at every size, and its probes): for a caller
-    that keeps compilation off its clock. Nothing runs on `state` (auto's forms run on a
-    copy)."""
+    image size it meets; under "auto" both forms at every size, the dense form's steady step
+    too, and its probes): for a caller that keeps compilation off its clock. Nothing runs on
+    `state`."""
     plan = self.plan
     if self.pipeline is not None:
       if len(plan.stages) > 1:
@@ -125,13 +125,14 @@ class Run:
       self.pipeline.compile(self.state, self.batch(0),
                             [plan.level(s) for s in range(plan.total_steps)])
       return
-    changes = sorted({s for table in (plan.stages, plan.level_steps, plan.forms)
-                      for s, _ in table if s < plan.total_steps})
+    changes = sorted({t for table in (plan.stages, plan.level_steps, plan.forms)
+                      for s, _ in table for t in (s, s + 1) if t < plan.total_steps})
+    # (and the step after each: the dense form's steady step follows its first)
     pairs = {(plan.level(s), plan.image_size(s)): s for s in reversed(changes)}
     if self.auto is not None:
       final = plan.sparse_level(plan.total_steps - 1)
       for first, size in plan.stages:
-        for level in (plan.dense_level, final):
+        for level in (plan.dense_level, plan.steady_level, final):
           pairs.setdefault((level, size), first)
     for (level, size), step in pairs.items():
       if (level, size) not in self._compiled:

@@ -640,7 +640,8 @@ def drive(ap, args) -> int:
     # its own prefix family, so tests of other clusters running beside it never see it
     with cluster.EmulatedCluster(nodes, headline[1], prefix=f"tta{uuid.uuid4().hex[:6]}") as c:
       for seed in range(args.seeds):
-        for system in systems:
+        turn = seed % len(systems)  # (the systems' order rotates between seeds: the machine's
+        for system in systems[turn:] + systems[:turn]:  # drift falls on each in turn)
           cfg = load_task(args.config, args.sets, system, seed)
           extra = ["--seed", str(seed), "--bandwidths",
                    json.dumps([] if change else bandwidths), "--headline",

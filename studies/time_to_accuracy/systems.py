@@ -230,7 +230,7 @@ def density_per_step(config, steps_per_epoch: int, total: int) -> np.ndarray:
   fixed = plan.dense_form and not measuring(plan)  # the forms fixed by step
   if not plan.sparse or (config.compression.algorithm == "auto" and not fixed):
     return np.ones(total)
-  levels = plan.levels + (1.0,)  # the dense form: everything sent
+  levels = plan.levels + (1.0, 1.0)  # the dense form and its steady step: everything sent
   return np.asarray([levels[plan.level(s)] for s in range(total)])
 
 

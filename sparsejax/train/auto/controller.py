@@ -74,6 +74,7 @@ class AutoExchange:
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self._rest: dict[str, float] = {}  # each form's rest at this input size, read from the run
     self._before: dict[str, float] | None = None  # the rests at the old size, after a resize
+    self._read_forms: set[str] = set()  # the forms whose rest the run gave at this size
     self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
     self._last: Link | None = None  # the link the last choice was made on
     self.probe_s = 0.0  # the last measurement's probes, wall seconds (the slowest process's)
@@ -91,18 +92,29 @@ class AutoExchange:
     """The schedule's form at `step` ("measured" where it measures)."""
     return self.plan.form(step)
 
-  def level(self, step: int) -> int:
-    """The compressor's level at `step` for the form in force."""
+  def _form_at(self, step: int) -> str | None:
+    """The form the run takes at `step`: the schedule's, or the choice in force there."""
     form = self._scheduled(step)
-    if form == "measured":
-      form = self.form
+    if form != "measured":
+      return form
+    return next((e["form"] for e in reversed(self.history) if e["step"] <= step), None)
+
+  def _base_level(self, step: int) -> int | None:
+    form = self._form_at(step)
     return self.dense_level if form == "dense" else self.sparse_level(step)
+
+  def level(self, step: int) -> int:
+    """The compressor's level at `step` for the form in force (the dense form's steady step
+    after a dense-form step: `Plan.dense_after`)."""
+    level = self._base_level(step)
+    if level != self.dense_level:
+      return level
+    return self.plan.dense_after(self._base_level(step - 1) if step > 0 else None)
 
   def _due(self, step: int) -> str | None:
     """Whether a choice is due at `step`: "probe" (the schedule's boundaries, the first step,
-    the budget's cadence: the link is read), "read" (the form in force's first MIN_WINDOW steps
-    where none was read yet, or none at a new input size: its rest read, the link as last read),
-    or None."""
+    the budget's cadence: the link is read), "read" (a form's first MIN_WINDOW steps at this input
+    size: its rest read, the link as last read), or None."""
     last = self.history[-1]["step"] if self.history else None
     if last == step:
       return None
@@ -113,12 +125,16 @@ class AutoExchange:
     next_step = self.history[-1].get("next_step")
     if next_step is not None and step >= next_step:
       return "probe"
-    window = self._window  # (a first read: no step read yet, or none at this input size)
-    if ((self._before is not None or not self._rest) and self.options.probe_budget
-        and self._last is not None and window is not None
-        and step - window[1] >= self.MIN_WINDOW):
+    window = self._window  # (a form's first window at this input size: its rest read)
+    if (self.options.probe_budget and self._last is not None and window is not None
+        and step - window[1] >= self.MIN_WINDOW
+        and self._form_of(window[0]) not in self._read_forms):
       return "read"
     return None
+
+  def _form_of(self, level: int) -> str:
+    """The form a level belongs to."""
+    return "dense" if level in (self.dense_level, self.plan.steady_level) else "sparse"
 
   def _next(self, step: int, step_s: float) -> int | None:
     """The step of the next measurement after one at `step` (`probe_interval`; None: no more
@@ -175,6 +191,7 @@ class AutoExchange:
     if before is None or before == self._shape:
       return
     self._before = dict(self._rest)  # (`_rest` stands until the first read at the new size)
+    self._read_forms = set()
     self._window, self._open_at = None, step + 1
 
   # --- the link and the model
@@ -231,7 +248,8 @@ class AutoExchange:
                  else "no window since the last measurement: the rests read before"), None
     if observed is not None:
       level, step_s, count = observed
-      form = "dense" if level == self.dense_level else "sparse"
+      form = self._form_of(level)
+      self._read_forms.add(form)
       density = 1.0 if form == "dense" else self.levels[level]
       step_s, probe_s = slowest([step_s, probe_s])
       read = fit_in_steps(read, {form: step_s}, lambda at: self._exchange(at, density))
