@@ -29,22 +29,27 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tta_fmnist_ml
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
+PIPE = "hitopk-0.01-mc-pipe"
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-  """One --quick study (digits, 2 emulated nodes): the sparsejax systems, and PyTorch DDP with
+  """One --quick study (digits, 2 emulated nodes): the sparsejax systems (--quick's two, and the
+  pipelined exchange: one study for both saves CI a driver and a cluster), and PyTorch DDP with
   the parity phase where PyTorch is installed."""
   need_root("study")
   out = tmp_path_factory.mktemp("tta") / "tta.json"
-  argv = ["--quick", "--out", str(out)]
+  argv = ["--quick", "--out", str(out), "--systems",
+          f"dense,hitopk-0.01,{PIPE}" + (",torch-ddp" if HAVE_TORCH else "")]
   if not HAVE_TORCH:
-    argv += ["--systems", "dense,hitopk-0.01", "--phases", "runs"]
+    argv += ["--phases", "runs"]
   assert tta.main(argv) == 0
   return json.loads(out.read_text()), out
 
 
 def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
   got, out = quick
-  jax_systems = ["dense", "hitopk-0.01"]
+  jax_systems = ["dense", "hitopk-0.01", PIPE]
   assert [r["system"] for r in got["train"]] == jax_systems + (["torch-ddp"] * HAVE_TORCH)
   assert got["meta"]["config"] == "configs/tta_fmnist_mlp.py"  # relative to the checkout
   assert "data.name=digits" in got["meta"]["sets"]
@@ -389,17 +394,20 @@ def test_a_changing_link_run_with_auto_stops_at_the_target(tmp_path):
   """--link-change: the link drops from 200 to 20 Mbit/s before step 7 of the quick recipe, and
   auto (measuring every tenth of an epoch, 2 steps: `auto.schedule`) sees it;
   --stop-at-target: each run ends at its first evaluation at or above the target; no sweep (the
-  runs are timed end to end)."""
+  runs are timed end to end). (auto's run alone: a dense run beside it, which only checked the
+  stop again, was ~10 s of CI's budget; the driver's link change and stop are the same for every
+  system.)"""
   need_root("study")
   out = tmp_path / "tta.json"
   system = "auto-0.01-mc"
   every = tuple((round(0.1 * i, 1), "measured") for i in range(16))
-  assert tta.main(["--quick", "--systems", f"dense,{system}", "--phases", "runs",
+  assert tta.main(["--quick", "--systems", system, "--phases", "runs",
                    "--set", f"auto.schedule={every!r}",
                    "--link-change", "20mbit@0.2", "--stop-at-target",
                    "--out", str(out)]) == 0
   got = json.loads(out.read_text())
   assert got["sweep"] == [] and got["meta"]["link_change"] == "20mbit@0.2"
+  assert [r["system"] for r in got["train"]] == [system]
   target = got["meta"]["target"]
   for run in got["train"]:
     reached = [p["accuracy"] >= target for p in run["curve"]]
@@ -441,21 +449,19 @@ def test_a_results_path_that_is_a_folder_or_not_json_is_refused_before_any_run(
   assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written
 
 
-def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overlap(tmp_path):
+def test_a_pipelined_system_trains_on_two_devices_per_node_and_reports_its_overlap(quick):
   """The pipelined exchange on the emulated cluster (each node process two CPU devices, the
-  gradient on the second, the parameters and gradient moved between them): it trains to the
-  quick target, and the sweep times its halves alone and together."""
-  need_root("study")
-  out = tmp_path / "tta.json"
-  assert tta.main(["--quick", "--systems", "hitopk-0.01-mc-pipe", "--phases", "runs",
-                   "--out", str(out)]) == 0
-  got = json.loads(out.read_text())
-  run, = got["train"]
+  gradient on the second, the parameters and gradient moved between them), in the quick
+  study: it trains to the quick target, and the sweep times its halves alone and together."""
+  got, out = quick
+  run, = [r for r in got["train"] if r["system"] == PIPE]
   assert run["curve"][-1]["accuracy"] >= got["meta"]["target"]
-  rows = [r for r in got["sweep"] if r["system"] == "hitopk-0.01-mc-pipe"]
+  rows = [r for r in got["sweep"] if r["system"] == PIPE]
   assert rows and all(r["compute_s"] > 0 and r["exchange_s"] > 0 and r["step_s"] > 0
                       and 0 < r["compute_end_s"] and 0 < r["exchange_end_s"] for r in rows)
-  overlap = tta_analysis.pipeline_overlap(got)["hitopk-0.01-mc-pipe"]
+  # (the unpipelined systems' rows have no halves)
+  assert all("compute_s" not in r for r in got["sweep"] if r["system"] != PIPE)
+  overlap = tta_analysis.pipeline_overlap(got)[PIPE]
   assert set(overlap) == {"unlimited", "200mbit"}
   assert "The pipelined exchange, one rank" in out.with_suffix(".md").read_text()
 

@@ -2,6 +2,7 @@
 sparsejax's (same parameters give the same logits and gradients; the same initialisation), and
 its AdamW and LARS are optax's with the trainer's decay mask."""
 
+import functools
 from typing import Any
 
 import jax
@@ -27,7 +28,9 @@ def _flax_lm():
   model = models.build("transformer_lm", num_classes=VOCAB, d_model=D, num_heads=HEADS, d_ff=FF,
                        num_layers=LAYERS, dropout=0.0, max_len=LEN)
   tokens = np.random.default_rng(1).integers(1, VOCAB, (5, LEN - 2)).astype(np.int32)
-  return model, model.init(jax.random.key(3), tokens, train=False)["params"], tokens
+  # (jitted: one compile, not one per operation and shape, as eagerly; the same values)
+  init = jax.jit(functools.partial(model.init, train=False))
+  return model, init(jax.random.key(3), tokens)["params"], tokens
 
 
 def _t(x) -> "torch.Tensor":
@@ -64,13 +67,13 @@ def test_the_pytorch_transformer_is_the_flax_one_forward_and_backward():
   _copy_into(peer, params)
   labels = np.roll(tokens, -1, axis=1)
   got = peer(torch.from_numpy(tokens.astype(np.int64)))
-  want = model.apply({"params": params}, tokens, train=False)
+  want = jax.jit(functools.partial(model.apply, train=False))({"params": params}, tokens)
   np.testing.assert_allclose(got.detach().numpy(), np.asarray(want), rtol=2e-4, atol=2e-5)
 
   def loss_fn(p):
     logits = model.apply({"params": p}, tokens, train=False)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
-  grads = jax.grad(loss_fn)(params)
+  grads = jax.jit(jax.grad(loss_fn))(params)
   torch.nn.functional.cross_entropy(got.reshape(-1, VOCAB),
                                     torch.from_numpy(labels.astype(np.int64)).reshape(-1)
                                     ).backward()
@@ -90,7 +93,8 @@ def test_the_pytorch_transformer_starts_where_flax_does():
   peer = torch_peer.torch_transformer_lm(1000, d, 4, 1024, 1, 64)
   model = models.build("transformer_lm", num_classes=1000, d_model=d, num_heads=4, d_ff=1024,
                        num_layers=1, dropout=0.0, max_len=64)
-  params = model.init(jax.random.key(0), np.ones((1, 8), np.int32), train=False)["params"]
+  params = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(0), np.ones((1, 8), np.int32))["params"]
   layer = params["decoder"]["layer0"]
   pairs = [(peer.embedding, params["embed"]["embedding"], d ** -0.5),
            (peer.positions, params["embed"]["positions"], 0.02),
@@ -197,12 +201,15 @@ def test_the_pytorch_resnet_is_the_flax_one_in_training_and_in_evaluation(name, 
   odd image size (flax's SAME padding puts the odd pixel low or high by size and stride)."""
   kwargs = {"num_filters": 8} if name == "resnet18" else {}
   model = models.build(name, num_classes=7, **kwargs)
-  x = np.random.default_rng(2).standard_normal((5, size, size, 2)).astype(np.float32)
-  variables = model.init(jax.random.key(0), x, train=False)
-  keys = iter(jax.random.split(jax.random.key(1), 1000))
-  params = jax.tree.map(lambda a: a + 0.2 * jax.random.normal(next(keys), a.shape),
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((5, size, size, 2)).astype(np.float32)
+  # (jitted, with an RBG key, and the perturbation drawn by numpy: eager jax.random compiles a
+  # program per operation and shape, ~35 s of this test's 45 on 2 cores)
+  variables = jax.jit(functools.partial(model.init, train=False))(
+      jax.random.key(0, impl="rbg"), x)
+  params = jax.tree.map(lambda a: np.asarray(a) + 0.2 * rng.standard_normal(a.shape, np.float32),
                         variables["params"])
-  stats = jax.tree.map(lambda a: a + 0.1 * jax.random.uniform(next(keys), a.shape),
+  stats = jax.tree.map(lambda a: np.asarray(a) + 0.1 * rng.random(a.shape, np.float32),
                        variables["batch_stats"])
   peer = torch_peer.torch_resnet(tuple(models.MODELS[name].keywords["stage_sizes"]),
                                  kwargs.get("num_filters", 16), 7, 2, small_inputs=stem)
@@ -210,8 +217,9 @@ def test_the_pytorch_resnet_is_the_flax_one_in_training_and_in_evaluation(name, 
       v.size for v in jax.tree.leaves(params))
   _copy_resnet(peer, params, stats)
   peer.eval()
-  np.testing.assert_allclose(peer(_t(x)).detach().numpy(), np.asarray(model.apply(
-      {"params": params, "batch_stats": stats}, x, train=False)), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(peer(_t(x)).detach().numpy(), np.asarray(jax.jit(functools.partial(
+      model.apply, train=False))({"params": params, "batch_stats": stats}, x)), rtol=1e-4,
+      atol=1e-4)
   peer.train()
   xt = _t(x).requires_grad_()
   logits = peer(xt)
@@ -220,7 +228,7 @@ def test_the_pytorch_resnet_is_the_flax_one_in_training_and_in_evaluation(name, 
     out, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
                            mutable=["batch_stats"])
     return (out ** 2).sum(), (out, new)
-  (_, (out, new)), dx = jax.value_and_grad(loss, has_aux=True)(x)
+  (_, (out, new)), dx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
   np.testing.assert_allclose(logits.detach().numpy(), np.asarray(out), rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(xt.grad.numpy(), np.asarray(dx), rtol=1e-3, atol=1e-4)
   # running statistics moved the same way (torch's variance is unbiased: n / (n - 1) apart)
