@@ -126,8 +126,12 @@ def gradient(setup: TrainSetup, step, params, batch_stats, inputs, labels
   (loss, (logits, new_stats)), grads = jax.value_and_grad(
       functools.partial(_loss, setup), has_aux=True)(
       setup.layout.unravel(params), batch_stats, inputs, labels, rng)
-  return (setup.layout.ravel(grads, jnp.float32), new_stats,
-          _local_metrics(setup, loss, logits, labels))
+  # The flat gradient is written once: without the barrier XLA fuses the ravel's concatenate
+  # into each of its readers (the finite check, the norm, the exchange's first pass), and on
+  # CPU a concatenate costs about as much as the backward pass of a small model (auto's dense
+  # form read it twice: 1.8x plain dense's step on the MLP, 1.05x with the barrier).
+  flat = jax.lax.optimization_barrier(setup.layout.ravel(grads, jnp.float32))
+  return flat, new_stats, _local_metrics(setup, loss, logits, labels)
 
 
 def apply_gradient(setup: TrainSetup, state: TrainState, flat_grads, new_stats,

@@ -74,6 +74,8 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
                              "compression.momentum_correction": True,
                              "experimental.momentum_masking": False}),
     "auto-0.05": ("jax", {"compression.algorithm": "auto", "compression.density": 0.05}),
+    # the CNN task's: auto between dense and its best sparse system (hitopk-0.04-mc-mean-w3)
+    "auto-0.04-mc-mean-w3": ("jax", {**_CNN_BEST, "compression.algorithm": "auto"}),
     # the CNN task's without momentum correction: HiTopKComm 0.001 or its dense form
     "auto-0.001": ("jax", {"compression.algorithm": "auto", "compression.density": 0.001}),
     "higtopk-0.001": ("jax", {"compression.algorithm": "higtopk",
