@@ -10,7 +10,9 @@ whole: auto chooses between dense and a sparse form the user picked because it c
 cannot rescue one that does not. `sparsejax.train.auto.model.STEP_FACTORS` is `pooled()`,
 sorted; tests/test_committed_results.py holds the two equal, so a rerun that moves a factor
 moves auto's prior or fails. The held-out tasks (real MNIST, the Python docs Transformer) are not
-in the pool.
+in the pool: their factors are printed beside the model's F (`HELD_OUT`, and the fixed systems
+trained beside auto in `studies/auto/results/auto_v2_*.json`), a check of the prior on tasks it
+was not taken from.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ POOL = ("time_to_accuracy.json",             # MLP, Fashion-MNIST
         "time_to_accuracy_lm.json",           # Transformer LM, KJV
         "time_to_accuracy_lm_1bit.json",      # the same, the 1-bit Adam recipe
         "time_to_accuracy_lm_warmup.json")    # the same, a density warm-up
+HELD_OUT = ("time_to_accuracy_mnist.json",   # MLP, real MNIST
+            "time_to_accuracy_pydocs.json")  # Transformer LM, the Python docs
+AUTO_RESULTS = os.path.join(os.path.dirname(HERE), "auto", "results")
 DENSE = ("dense", "hierarchical")
 
 
@@ -55,6 +60,22 @@ def factors(results: dict) -> dict[str, list[float]]:
   return out
 
 
+def trained_beside(results: dict) -> dict[str, list[float]]:
+  """{system: F per seed} from an end-to-end auto result (`studies/auto/end_to_end.py`): the
+  fixed sparse systems trained beside auto at each link, over the dense run of the same seed
+  and link, where both reached the target."""
+  out: dict[str, list[float]] = {}
+  for link, systems in results.get("fixed_runs", {}).items():
+    dense = {r["seed"]: r["steps"] for r in systems.get("dense", []) if r["steps"]}
+    for system, runs in systems.items():
+      if system.split("-")[0] not in comm.SPARSE_ALGORITHMS:
+        continue
+      pairs = [(r["steps"], dense[r["seed"]]) for r in runs if r["seed"] in dense]
+      if pairs and all(a for a, _ in pairs):
+        out[f"{system} @ {link}"] = [a / d for a, d in pairs]
+  return out
+
+
 def pooled(folder: str = os.path.join(HERE, "results")) -> tuple[float, ...]:
   """Every factor of every file in `POOL`, sorted."""
   values = []
@@ -71,12 +92,28 @@ def main(argv: list[str] | None = None) -> int:
                   "results of the study's own tasks, and the pooled factors auto's prior is.")
   parser.add_argument("--results", default=os.path.join(HERE, "results"),
                       help="the folder of the result files in POOL (default: the study's)")
+  parser.add_argument("--auto-results", default=AUTO_RESULTS,
+                      help="the folder of the end-to-end auto results (auto_v2_*.json)")
   args = parser.parse_args(argv)
   for name in POOL:
     with open(os.path.join(args.results, name)) as f:
       for system, vs in factors(json.load(f)).items():
         print(f"{name:40s} {system:28s} " + " / ".join(f"{v:.2f}" for v in vs))
   print("pooled:", pooled(args.results))
+  from sparsejax.train.auto.model import step_factor
+  from sparsejax.train.config import default_config
+  quantile = default_config().auto.step_factor_quantile
+  print(f"\nthe model's F (auto.step_factor_quantile {quantile}): {step_factor(quantile):.2f}; "
+        "measured on the held-out tasks, and beside auto in its end-to-end runs:")
+  for name in HELD_OUT:
+    with open(os.path.join(args.results, name)) as f:
+      for system, vs in factors(json.load(f)).items():
+        print(f"{name:40s} {system:28s} " + " / ".join(f"{v:.2f}" for v in vs))
+  for name in sorted(os.listdir(args.auto_results)):
+    if name.startswith("auto_v2_") and name.endswith(".json"):
+      with open(os.path.join(args.auto_results, name)) as f:
+        for system, vs in trained_beside(json.load(f)).items():
+          print(f"{name:40s} {system:28s} " + " / ".join(f"{v:.2f}" for v in vs))
   return 0
 
 

@@ -1,0 +1,171 @@
+"""The numbers the README's "Does it pay?" quotes, each tied to the result file it comes from.
+
+  python -m studies.figures          # every quote, its file, its value now, and how it was made
+
+A `Quote` is a piece of a document's text with its numbers as format fields, the committed
+result file they come from, and the function that computes them from that file.
+tests/test_figures.py formats each quote from its file and finds it in the document (whitespace
+collapsed), so a rerun that changes a number changes the text, or the test fails. `how` says
+what the number is: trained end to end and timed, modelled (steps trained at one link x the
+step time swept at another), steps only (no time), or a benchmark (an exchange or a compute
+step alone, timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TTA = "studies/time_to_accuracy/results/"
+WS = "studies/worker_scaling/results/"
+HOW = ("trained end to end", "modelled", "steps only", "benchmark")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quote:
+  """`text` (its numbers as `str.format` fields) in `doc`, the values from `source`."""
+
+  doc: str
+  text: str
+  source: str
+  values: Callable[[dict[str, Any]], Sequence[Any]]
+  how: str
+
+  def __post_init__(self):
+    if self.how not in HOW:
+      raise ValueError(f"Quote.how must be one of {HOW}, got {self.how!r}")
+
+  def load(self, root: str = ROOT) -> dict[str, Any]:
+    with open(os.path.join(root, self.source)) as f:
+      return json.load(f)
+
+  def expected(self, root: str = ROOT) -> str:
+    """The quote as its file says it should read now."""
+    return self.text.format(*self.values(self.load(root)))
+
+
+def normalized(text: str) -> str:
+  """`text` with every run of whitespace one space (a quote may break across lines)."""
+  return re.sub(r"\s+", " ", text)
+
+
+# --- the expressions, over one loaded result file
+
+def _speedups(slower: str, faster: str, links: Sequence[str]) -> Callable:
+  """A time-to-accuracy file's time to target of `slower` over `faster`'s, seed by seed at
+  each of `links` (modelled: steps x the step swept there): (min, max)."""
+  def values(j):
+    a = j["analysis"]
+    ratios = [s / f for link in links
+              for s, f in zip(a[slower]["predicted_time_to_target_s"][link],
+                              a[faster]["predicted_time_to_target_s"][link])]
+    return min(ratios), max(ratios)
+  return values
+
+
+def _speedup_median(slower: str, faster: str, link: str) -> Callable:
+  def values(j):
+    a = j["analysis"]
+    return (statistics.median(s / f for s, f in zip(
+        a[slower]["predicted_time_to_target_s"][link],
+        a[faster]["predicted_time_to_target_s"][link])),)
+  return values
+
+
+def _exchange_ratio(*links: str) -> Callable:
+  return lambda j: tuple(j["exchange_over_compute"][link] for link in links)
+
+
+def _gtopk_over_allgather(j):
+  rows = {r["algorithm"]: r for r in j["analysis"]}
+  ratios = [a / g for a, g in zip(rows["allgather"]["exchange_s"], rows["gtopk"]["exchange_s"])]
+  return min(ratios), max(ratios)
+
+
+def _at_link(link: str) -> Callable:
+  return lambda j: (next(r["best_gtopk_over_allgather"] for r in j["rows"]
+                         if r["link"] == link),)
+
+
+def _measured_over_predicted(j):
+  ratios = [v for s in j["analysis"].values() for v in s["measured_over_predicted_at_headline"]]
+  return (max(abs(1 - v) for v in ratios) * 100,)
+
+
+QUOTES: tuple[Quote, ...] = (
+    Quote("README.md", "HiTopKComm 0.001 with momentum correction reaches the target "
+          "{0:.2f}-{1:.1f}x sooner than sparsejax dense",
+          TTA + "time_to_accuracy.json",
+          _speedups("dense", "hitopk-0.001-mc", ("2gbit", "1gbit", "500mbit", "200mbit")),
+          "modelled"),
+    Quote("README.md", "and {0:.2f}-{1:.1f}x sooner than PyTorch DDP",
+          TTA + "time_to_accuracy.json",
+          _speedups("torch-ddp", "hitopk-0.001-mc", ("2gbit", "1gbit", "500mbit", "200mbit")),
+          "modelled"),
+    Quote("README.md", "(2 Gbit/s to 200 Mbit/s, R {0:.2f}-{1:.1f})",
+          TTA + "time_to_accuracy.json", _exchange_ratio("2gbit", "200mbit"), "modelled"),
+    Quote("README.md", "HiTopKComm 0.05 reaches the target {0:.2f}x and",
+          TTA + "time_to_accuracy_lm_pinned_150mbit.json",
+          _speedup_median("dense", "hitopk-0.05", "150mbit"), "modelled"),
+    Quote("README.md", "and {0:.2f}x sooner than dense (",
+          TTA + "time_to_accuracy_lm_pinned_slow.json",
+          _speedup_median("dense", "hitopk-0.05", "50mbit"), "modelled"),
+    Quote("README.md", "({0:.2f}x and", TTA + "time_to_accuracy_lm_pinned_150mbit.json",
+          _speedup_median("torch-ddp", "hitopk-0.05", "150mbit"), "modelled"),
+    Quote("README.md", "and {0:.2f}x sooner than DDP)",
+          TTA + "time_to_accuracy_lm_pinned_slow.json",
+          _speedup_median("torch-ddp", "hitopk-0.05", "50mbit"), "modelled"),
+    Quote("README.md", "at R {0:.1f} and", TTA + "time_to_accuracy_lm_pinned_150mbit.json",
+          _exchange_ratio("150mbit"), "modelled"),
+    Quote("README.md", "and {0:.1f}, but ends", TTA + "time_to_accuracy_lm_pinned_slow.json",
+          _exchange_ratio("50mbit"), "modelled"),
+    Quote("README.md", "JAX's step {0:.2f}x PyTorch's",
+          TTA + "time_to_accuracy_cnn_parity.json",
+          lambda j: (statistics.median(p["jax_over_torch"] for p in j["parity"]),),
+          "benchmark"),
+    Quote("README.md", "reaches the target {0:.2f}-{1:.2f}x sooner than dense and",
+          TTA + "time_to_accuracy_cnn_best.json",
+          _speedups("dense", "hitopk-0.04-mc-mean-w3", ("10mbit",)), "modelled"),
+    Quote("README.md", "{0:.2f}-{1:.2f}x sooner than DDP at 10 Mbit/s",
+          TTA + "time_to_accuracy_cnn_best.json",
+          _speedups("torch-ddp", "hitopk-0.04-mc-mean-w3", ("10mbit",)), "modelled"),
+    Quote("README.md", "at 16 nodes: {0:.2f}-{1:.2f}x faster",
+          "benchmarks/results/bench_scale_16.json", _gtopk_over_allgather,
+          "benchmark"),
+    Quote("README.md", "gTop-k without warm-up {0:.2f}x sooner than the fastest all-gather at "
+          "5 Mbit/s", WS + "at_nodes_fmnist_emulated.json", _at_link("5mbit"), "modelled"),
+    Quote("README.md", "{0:.2f}x at 100 Mbit/s", WS + "at_nodes_fmnist_emulated.json",
+          _at_link("100mbit"), "modelled"),
+    Quote("README.md", "gTop-k needs {0:.1f}x all-gather's steps at 16 workers (5 seeds; "
+          "{1:.2f}x by the seeds' mean curves) and ends {2:.1f} point lower",
+          WS + "worker_scaling_fmnist_p16_5seeds.json",
+          lambda j: (j["rows"][1]["steps_over_allgather"],
+                     j["rows"][1]["curve_steps_over_allgather"],
+                     -100 * j["rows"][1]["final_minus_allgather"]), "steps only"),
+    Quote("README.md", "on the LM {0:.2f}x the steps, {1:.1f}% higher loss",
+          WS + "worker_scaling_kjv.json",
+          lambda j: (j["rows"][8]["steps_over_allgather"],
+                     100 * j["rows"][8]["final_minus_allgather"]
+                     / statistics.median(j["rows"][7]["final"])), "steps only"),
+    Quote("README.md", "end to end on 8 emulated nodes within {0:.0f}%",
+          TTA + "time_to_accuracy_fmnist_8nodes.json", _measured_over_predicted,
+          "trained end to end"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+  del argv
+  for q in QUOTES:
+    print(f"{q.doc}: {q.expected()!r}\n    from {q.source} ({q.how})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

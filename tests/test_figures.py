@@ -1,0 +1,31 @@
+"""The README's quoted figures equal their result files (`studies.figures`)."""
+
+import os
+
+import pytest
+
+from studies import figures
+
+
+@pytest.mark.parametrize("quote", figures.QUOTES, ids=lambda q: f"{q.doc}:{q.text[:40]}")
+def test_a_quoted_figure_reads_as_its_result_file_says(quote):
+  with open(os.path.join(figures.ROOT, quote.doc)) as f:
+    doc = figures.normalized(f.read())
+  expected = figures.normalized(quote.expected())
+  assert expected in doc, (f"{quote.doc} should read {expected!r} ({quote.source}); "
+                           "rerun changed a number: update the text, or the quote")
+
+
+def test_a_quote_that_no_longer_matches_is_caught(tmp_path):
+  quote = figures.QUOTES[0]
+  doc = figures.normalized(open(os.path.join(figures.ROOT, quote.doc)).read())
+  changed = quote.expected().replace(".", ",", 1)
+  assert figures.normalized(changed) not in doc
+
+
+def test_every_quote_names_a_committed_file_and_how_it_was_made():
+  for quote in figures.QUOTES:
+    assert os.path.isfile(os.path.join(figures.ROOT, quote.source)), quote.source
+    assert quote.how in figures.HOW
+  with pytest.raises(ValueError, match="Quote.how must be one of"):
+    figures.Quote("README.md", "x", "y", lambda j: (), "guessed")
