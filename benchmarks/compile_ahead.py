@@ -7,7 +7,8 @@
 system one train step per density level and image size, auto both forms at every image size,
 the dense form's steady step, and its link probes. The time-to-accuracy study and auto's
 end-to-end runs start their clock after it, for every system alike, so auto's measurement share
-(`studies/auto`) leaves out what it compiles beyond the system it runs. This measures that
+(`studies/auto`) leaves out what it compiles beyond the system it runs (`sparsejax train`
+compiles nothing ahead: each program when the run first needs it). This measures that
 difference: for each task, its dense system, its sparse system and auto over the two (the
 study's systems), `Run.compile` timed in a fresh process on 2 CPU devices (the study's 2 nodes,
 one process here: what is compiled, not the link), min / median / max over `--procs` processes

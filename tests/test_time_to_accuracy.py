@@ -517,3 +517,25 @@ def test_both_runners_train_a_resnet_through_its_resize_stages_and_evaluate_at_t
   for metrics in (jax_run.evaluate(), torch_run.evaluate()):
     assert 0.0 <= metrics["accuracy"] <= 1.0 and np.isfinite(metrics["loss"])
   assert jax_run.size == torch_run.size == 8
+
+
+def test_factors_early_progress_and_beside_auto_by_hand():
+  """`factors.early_progress`: F and the steps the sparse run took to reach dense's accuracy at
+  half dense's steps to target; `trained_beside`: F from an end-to-end auto result's fixed runs,
+  seed by seed; each worked out by hand on made-up curves."""
+  from studies.time_to_accuracy import factors
+  dense = [{"step": s, "accuracy": a} for s, a in [(10, 0.5), (20, 0.7), (30, 0.8), (40, 0.9)]]
+  sparse = [{"step": s, "accuracy": a} for s, a in [(10, 0.4), (20, 0.6), (30, 0.75), (40, 0.8),
+                                                    (50, 0.85), (60, 0.91)]]
+  results = {"meta": {"target": 0.9, "target_metric": "accuracy"},
+             "train": [{"system": "dense", "seed": 0, "curve": dense},
+                       {"system": "hitopk-0.01", "seed": 0, "curve": sparse},
+                       {"system": "torch-ddp", "seed": 0, "curve": dense}]}
+  # dense reaches 0.9 at 40; half of it, 20, reads 0.7; sparse reaches 0.7 at 30 and 0.9 at 60
+  assert factors.early_progress(results) == [("hitopk-0.01", 60 / 40, 30 / 20)]
+  assert factors.factors(results) == {"hitopk-0.01": [1.5]}
+  beside = {"fixed_runs": {"unlimited": {
+      "dense": [{"seed": 0, "steps": 200}, {"seed": 1, "steps": 250}],
+      "hitopk-0.05": [{"seed": 0, "steps": 250}, {"seed": 1, "steps": 225}]},
+      "50mbit": {"hitopk-0.05": [{"seed": 0, "steps": 275}]}}}
+  assert factors.trained_beside(beside) == {"hitopk-0.05 @ unlimited": [1.25, 0.9]}

@@ -11,14 +11,16 @@ systems trained and swept at every bandwidth here): each fixed system's time to 
 compute ratio R, and the compute parity (JAX step / PyTorch step, compute only).
 
 Judged per bandwidth (the issue's must-shows): auto within 1.1x of the best fixed sparsejax
-system; against DDP no later where R >= 1, at least 1.5x sooner where R >= 2, and where R < 1
-no later than DDP's time x the parity; auto's exposed exchange per step (its mean step to the
-target minus the JAX compute-only step) no more than DDP's (its swept step minus PyTorch's).
+system (of those trained beside it with `--fixed`, where any were: the reference's other
+systems ran on another day); against DDP no later where R >= 1, at least 1.5x sooner where
+R >= 2, and where R < 1 no later than DDP's time x the parity; auto's exposed exchange per
+step (its mean step to the target minus the JAX compute-only step) no more than DDP's (its
+swept step minus PyTorch's).
 
   python -m studies.auto.end_to_end --config configs/tta_pydocs_lm.py --system auto-0.05 \\
     --fixed dense,hitopk-0.05 \\
     --reference studies/time_to_accuracy/results/time_to_accuracy_pydocs.json \\
-    --bandwidths unlimited,50mbit --seeds 3 --out studies/auto/results/auto_end_to_end_pydocs.json
+    --bandwidths unlimited --seeds 3 --out studies/auto/results/auto_v2_pydocs_unlimited.json
 """
 
 from __future__ import annotations
@@ -149,8 +151,11 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   times = {s: e["predicted_time_to_target_s"].get(bandwidth) for s, e in analysis.items()
            if s != system and e["predicted_time_to_target_s"].get(bandwidth)}
   measured = {s: [x["time_s"] for x in r] for s, r in (trained or {}).items()}
+  if measured:  # judged against the systems trained beside it alone (DDP: the reference's)
+    times = {s: v for s, v in times.items() if s.startswith("torch")}
   times.update(measured)
-  fixed = {s: _median(v) for s, v in times.items() if not s.startswith("torch")}
+  fixed = {s: m for s, v in times.items()  # (a reference system that missed it: not there)
+           if not s.startswith("torch") and (m := _median(v)) is not None}
   best = min(fixed, key=lambda s: fixed[s])
   ddp = _median(times["torch-ddp"])
   r = reference["exchange_over_compute"].get(bandwidth)
@@ -206,13 +211,18 @@ def _forms(forms: list[list]) -> str:
   return ", then ".join(f"{form} from {step}" for step, form in forms) or "-"
 
 
+def _shares(row: dict[str, Any]) -> list[float]:
+  """Per seed, auto's measurements over its time to target (seeds that reached it)."""
+  return [m / t for m, t in zip(row["auto_measure_s"], row["auto_time_s"]) if t]
+
+
 def table(results: dict[str, Any]) -> str:
   m = results["meta"]
   rows = results["rows"]
   fixed = sorted({s for row in rows for s in row["fixed_time_s"]})
   trained = sorted({s for row in rows for s in row.get("fixed_trained", [])})
   beside = (f"{', '.join(trained)} trained end to end beside it the same way (seed by seed, "
-            "the systems in turn); the others " if trained else "")
+            "the systems' order rotating between seeds); PyTorch DDP " if trained else "")
   lines = [f"`{m['system']}` trained end to end at each link (its measured train time to "
            f"{m['target_metric']} {m['target']}, probes included, {m['seeds']} seeds min / "
            f"median / max) against the fixed systems: {beside}from the reference study "
@@ -231,13 +241,15 @@ def table(results: dict[str, Any]) -> str:
                  f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
   costs = [row for row in rows if "auto_measure_s" in row]
   if costs:
-    lines += ["", "auto's measurements before the target (s, compilation of its probes and of "
-              "a form timed on a copy included; 3 seeds min / median / max), the first one "
-              "alone, and auto's time over the fastest fixed system by seed with them left out "
-              "(what auto costs once measured: its choices and trials):", "",
-              "| link | measurements s | the first s | by seed without them |",
-              "|---|---:|---:|---:|"]
+    lines += ["", "auto's measurements before the target (s: its link probes on the clock, "
+              "3 seeds min / median / max; the programs it runs are compiled before the clock, "
+              "as every system's: benchmarks/compile_ahead.py), their share of its run, the "
+              "first one alone, and auto's time over the fastest fixed system by seed with "
+              "them left out (what auto costs once measured: its choices):", "",
+              "| link | measurements s | share of the run % | the first s | by seed without them |",
+              "|---|---:|---:|---:|---:|"]
     lines += [f"| {row['bandwidth']} | {spread(row['auto_measure_s'], 2)} | "
+              f"{spread(_shares(row), 1, 100)} | "
               f"{spread(row['auto_first_measure_s'], 2)} | "
               f"{spread(row['auto_over_best_by_seed_unmeasured'], 2) or '-'} |" for row in costs]
   lines += ["", "Exposed exchange per step (ms; auto: its mean step to the target, warm-up "

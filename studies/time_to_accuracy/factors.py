@@ -76,6 +76,34 @@ def trained_beside(results: dict) -> dict[str, list[float]]:
   return out
 
 
+def early_progress(results: dict, fraction: float = 0.5) -> list[tuple[str, float, float]]:
+  """The screen of the loss's progress per step as a predictor of F: for each fixed sparse
+  system and seed of one result file that reached the target with its dense run, (system, F,
+  early F): the steps the sparse run took to reach the metric dense's run had at its first
+  evaluation at or after `fraction` of dense's steps to target, over that evaluation's step.
+  Read from two whole runs, it is the most a trial of both forms inside one run could see."""
+  target, metric = results["meta"]["target"], target_metric(results)
+  curves: dict[str, dict[int, list]] = {}
+  for run in results.get("train", []):
+    curves.setdefault(run["system"], {})[run["seed"]] = run["curve"]
+  dense = next((curves[s] for s in DENSE if s in curves), None)
+  out = []
+  for system, by_seed in curves.items():
+    if dense is None or system.split("-")[0] not in comm.SPARSE_ALGORITHMS:
+      continue
+    for seed, curve in sorted(by_seed.items()):
+      d = dense.get(seed)
+      hit_d = d and steps_to_target(d, target, metric)
+      hit_s = steps_to_target(curve, target, metric)
+      if not (hit_d and hit_s):
+        continue
+      point = next(p for p in d if p["step"] >= fraction * hit_d["step"])
+      reach = steps_to_target(curve, point[metric], metric)
+      if reach:
+        out.append((system, hit_s["step"] / hit_d["step"], reach["step"] / point["step"]))
+  return out
+
+
 def pooled(folder: str = os.path.join(HERE, "results")) -> tuple[float, ...]:
   """Every factor of every file in `POOL`, sorted."""
   values = []
@@ -83,6 +111,12 @@ def pooled(folder: str = os.path.join(HERE, "results")) -> tuple[float, ...]:
     with open(os.path.join(folder, name)) as f:
       values += [v for vs in factors(json.load(f)).values() for v in vs]
   return tuple(sorted(round(v, 4) for v in values))
+
+
+def _correlation(rows: list[tuple[str, float, float]]) -> float:
+  """Pearson's correlation of F and the early F over `rows` (`early_progress`)."""
+  import numpy as np
+  return float(np.corrcoef([f for _, f, _ in rows], [e for _, _, e in rows])[0, 1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.results, name)) as f:
       for system, vs in factors(json.load(f)).items():
         print(f"{name:40s} {system:28s} " + " / ".join(f"{v:.2f}" for v in vs))
+  screened = []
+  for name in POOL + HELD_OUT:
+    with open(os.path.join(args.results, name)) as f:
+      screened += early_progress(json.load(f))
+  errors = sorted(abs(early - f) for _, f, early in screened)
+  flat = sorted(abs(1 - f) for _, f, _ in screened)
+  print(f"\nthe loss's progress at half dense's steps as a predictor of F ({len(screened)} "
+        f"runs, the pool's and the held-out files): |early F - F| median "
+        f"{errors[len(errors) // 2]:.2f}, against |1 - F| median {flat[len(flat) // 2]:.2f} "
+        f"(F = 1 assumed); correlation {_correlation(screened):.2f}\n")
   for name in sorted(os.listdir(args.auto_results)):
     if name.startswith("auto_v2_") and name.endswith(".json"):
       with open(os.path.join(args.auto_results, name)) as f:
