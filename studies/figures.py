@@ -180,7 +180,9 @@ QUOTES: tuple[Quote, ...] = (
 
 
 def main(argv: list[str] | None = None) -> int:
-  del argv
+  import argparse
+  argparse.ArgumentParser(prog="python -m studies.figures",
+                          description=__doc__.split("\n")[0]).parse_args(argv)
   for q in QUOTES:
     print(f"{q.doc}: {q.expected()!r}\n    from {q.source} ({q.how})")
   return 0
