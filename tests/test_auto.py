@@ -167,6 +167,19 @@ def test_choose_weighs_steps_and_keeps_the_current_form_within_the_margin():
   assert auto.choose(step_s, 1.22, "dense", 0.05) == "dense"  # 0.976: not 5% better
   assert auto.choose(step_s, 1.22, "sparse", 0.05) == "sparse"
   assert auto.choose(step_s, 1.1, "dense", 0.05) == "sparse"  # 0.88: 12% better
+  # a switch must save more than its compile: 0.07 s a step beyond the margin, over 100 steps
+  assert auto.choose(step_s, 1.1, "dense", 0.05, steps_left=100, switch_s=6.9) == "sparse"
+  assert auto.choose(step_s, 1.1, "dense", 0.05, steps_left=100, switch_s=7.1) == "dense"
+  assert auto.choose(step_s, 1.1, "dense", 0.05, steps_left=10**6, switch_s=7.1) == "sparse"
+  # the form in force pays nothing to stay
+  assert auto.choose(step_s, 1.1, "sparse", 0.05, steps_left=1, switch_s=100.0) == "sparse"
+
+
+def test_a_switch_costs_the_other_form_s_programs_at_the_run_s_compile_time():
+  assert auto.switch_s(2, [4.0, 5.5, 4.5]) == pytest.approx(9.0)  # 2 x the median
+  assert auto.switch_s(1, [3.0]) == 3.0
+  assert auto.switch_s(0, [3.0]) == 0.0  # (the other form has run here: compiled)
+  assert auto.switch_s(2, []) == 0.0  # (nothing compiled yet: the first choice)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -345,7 +358,8 @@ def test_a_measured_run_logs_each_choice_with_its_figures(tmp_path):
     assert c["factor_from"] == "auto.step_factor_quantile 0.75", c
     assert min(c["sparse_step_ms"], c["dense_step_ms"]) > 0
     form = auto.choose({"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]},
-                       c["step_factor"], form, 0.05)
+                       c["step_factor"], form, 0.05, steps_left=c["remaining_steps"],
+                       switch_s=c["switch_ms"])
     assert c["form"] == form
   # the first choice on the link's read alone (no step read: the rest taken as 0); the second
   # saw the form in force run (steps 1-9: the step after a measurement opens the window; the
@@ -401,7 +415,9 @@ def test_auto_follows_a_link_that_changes_under_it(tmp_path):
   # did at 1.5x, and switching back is then right).
   for before, c in zip(choices, choices[1:]):
     step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}
-    assert c["form"] == auto.choose(step_s, 3.0, before["form"], 0.05), (before, c)
+    assert c["form"] == auto.choose(step_s, 3.0, before["form"], 0.05,
+                                    steps_left=c["remaining_steps"], switch_s=c["switch_ms"]
+                                    ), (before, c)
   assert "sparsejax auto: step 0:" in out.getvalue()
 
 
@@ -426,6 +442,36 @@ def test_a_form_is_switched_only_on_a_second_read_of_the_link(tmp_path, monkeypa
   assert first["form"] == "dense" and first["link_MBps"] == math.inf, first
   measured = [c for c in summary["exchange_choices"] if c["why"] == "measured"]
   assert len(reads) == len(measured) + slow_first and reads[0] == slow_first, reads
+
+
+@pytest.mark.integration
+def test_a_switch_must_save_more_than_the_other_form_s_compile(tmp_path, monkeypatch):
+  """The link read at 8 kbit/s at step 0 (sparse chosen), too fast to tell at 10 and 20 (dense
+  faster a step, by the sparse steps' factor of 1.2): with 12 and 2 steps left, a switch would
+  save less than compiling the dense form's two programs at this size costs (the median of what
+  the run's programs took), so the sparse form stays; without the compile it would have
+  switched."""
+  def probe(mesh, shard, prior=None, untimed=None):
+    link = auto.Link(1e-4, 1e3 if probe.reads < 2 else math.inf)  # (step 0 reads twice)
+    probe.reads += 1
+    return link, link, 0.0
+  probe.reads = 0
+  monkeypatch.setattr(auto.controller, "probe_link", probe)
+  summary = train_and_evaluate(auto_config(**{
+      "auto.schedule": tuple((s / STEPS_PER_EPOCH, "measured") for s in (0, 10, 20)),
+      "auto.step_factor": 1.2, "compression.warmup_epochs": 0.0}), str(tmp_path),
+      progress=False)  # (no warm-up: its first level, 0.64, would run the dense form's step)
+  first, *later = summary["exchange_choices"]
+  programs = summary["programs"]
+  assert first["form"] == "sparse" and first["switch_ms"] == 0, first  # (nothing to switch from)
+  assert {p["form"] for p in programs} == {"sparse"}, programs  # the dense form never compiled
+  for c in later:
+    compiled = [p["compile_s"] for p in programs if p["first_step"] < c["step"]]
+    assert c["switch_ms"] == pytest.approx(2e3 * np.median(compiled), rel=1e-4), (c, compiled)
+    step_s = {"dense": c["dense_step_ms"], "sparse": c["sparse_step_ms"]}
+    assert c["form"] == "sparse" and c["dense_step_ms"] < c["sparse_step_ms"] * c["step_factor"]
+    assert auto.choose(step_s, c["step_factor"], "sparse", 0.05) == "dense", c
+  assert all(p["compile_s"] > 0 and p["size"] is None for p in programs), programs
 
 
 def test_of_two_link_reads_the_faster_is_kept():

@@ -214,7 +214,23 @@ def test_auto_measurements_before_the_target_are_summed_and_left_out_by_seed():
   # judged against the systems trained beside it alone (DDP from the reference)
   assert set(row["fixed_time_s"]) == {"dense", "torch-ddp"} and row["best_fixed"] == "dense"
   # the share of the run: 0.26 / 6.3, 0.28 / 9.4, 0.39 / 6.1
-  assert "| unlimited | 0.26 / 0.28 / 0.39 | 3.0 / 4.1 / 6.4 | 0.20 / 0.25 / 0.30 |" in e2e.table(
-      {"meta": {"system": "auto-0.05", "target_metric": "loss", "target": 4.55, "seeds": 3,
-                "reference": "r.json", "command": "c", "machine": "m", "cpus": 2,
-                "date": "d"}, "rows": [row]})
+  meta = {"system": "auto-0.05", "target_metric": "loss", "target": 4.55, "seeds": 3,
+          "reference": "r.json", "command": "c", "machine": "m", "cpus": 2, "date": "d"}
+  assert ("| unlimited | 0.26 / 0.28 / 0.39 | not recorded | 3.0 / 4.1 / 6.4 | 0.20 / 0.25 / 0.30 |"
+          in e2e.table({"meta": meta, "rows": [row]}))
+  # with the switches' compiles recorded (1, 0, 2 s): in the share, added to the run's time
+  row["auto_compile_s"] = [1.0, 0.0, 2.0]
+  # (0.39 + 1) / (6.1 + 1), 0.26 / 6.3, (0.28 + 2) / (9.4 + 2)
+  assert "| 0.00 / 1.00 / 2.00 | 4.1 / 19.6 / 20.0 |" in e2e.table({"meta": meta, "rows": [row]})
+
+
+def test_switch_compiles_are_the_programs_of_a_form_auto_did_not_start_a_size_in():
+  def program(step, size, form, s):
+    return {"first_step": step, "size": size, "form": form, "compile_s": s, "level": 0}
+  programs = [program(0, 24, "sparse", 1.0), program(0, 24, "sparse", 1.5),  # warm-up levels
+              program(9, 24, "dense", 2.0), program(10, 24, "dense", 2.5),  # a switch at 9
+              program(40, 32, "dense", 3.0),  # a new size in the form in force: not a switch's
+              program(50, 32, "sparse", 4.0), program(90, 40, "sparse", 5.0)]
+  assert e2e.switch_compiles_s(programs, None) == pytest.approx(2.0 + 2.5 + 4.0)
+  assert e2e.switch_compiles_s(programs, 50) == pytest.approx(2.0 + 2.5)  # (the target at 50)
+  assert e2e.switch_compiles_s(programs[::-1], 10) == pytest.approx(2.0)  # (in any order)

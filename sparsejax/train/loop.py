@@ -284,6 +284,7 @@ def train_and_evaluate(config: Any, workdir: str, *, progress: bool = True) -> d
 
   # --- the summary, once the last checkpoint is written
   summary = _summary(config, job.tally, step, run.plan.total_steps, stopped_by, run.mesh)
+  summary["programs"] = run.programs_run()  # (this process's compiles, since its start)
   if lead:
     _write_json(summary_path, summary)
   return summary

@@ -17,6 +17,7 @@ context for work between steps that `auto` leaves out of the steps' time.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,9 @@ class Run:
     self._size = self.plan.image_size(0)
     self.setup, self.state = from_config(config, self.plan, self.mesh, self.data.num_classes,
                                          self.data.example(self._size))
-    self._jitted: dict[Any, Callable] = {}  # level -> the train step at it, jitted
-    self._compiled: dict[Any, Callable] = {}  # (level, input shape) -> compiled ahead
+    self._compiled: dict[Any, Callable] = {}  # (level, image size) -> its compiled train step
+    self.compile_s: dict[Any, float] = {}  # (level, image size) -> seconds its compile took
+    self.programs: dict[Any, dict[str, Any]] = {}  # the programs run, in order (`programs_run`)
     self.pipeline = None
     if placement:  # the pipelined exchange carries the computed gradient in the state
       self.state = pipeline_lib.with_pending(self.setup, self.state, self.batch(0))
@@ -102,20 +104,47 @@ class Run:
 
   # --- programs
 
-  def program(self, level: int | None) -> Callable:
+  def program(self, level: int | None, batch: tuple[jax.Array, ...]) -> Callable:
     """`(state, inputs, labels) -> (state, metrics)`: the train step at density `level` for
-    the current image size (compiled ahead where `compile` did, else jitted on first use;
-    the state donated)."""
-    if (level, self._size) in self._compiled:
-      return self._compiled[level, self._size]
-    if level not in self._jitted:
-      self._jitted[level] = step_lib.jit_train_step(self.setup, self.state, level)
-    return self._jitted[level]
+    the current image size, compiled for `batch`'s shapes (ahead where `compile` did, else now,
+    timed: `compile_s`; the state donated)."""
+    key = (level, self._size)
+    if key not in self._compiled:
+      t0 = time.perf_counter()
+      self._compiled[key] = step_lib.jit_train_step(self.setup, self.state, level).lower(
+          self.state, *batch).compile()
+      self.compile_s[key] = time.perf_counter() - t0
+    return self._compiled[key]
+
+  def _run_program(self, step: int, level: int | None, batch: tuple[jax.Array, ...]
+                   ) -> dict[str, jax.Array]:
+    """Runs the train step at `level` on `batch` (replacing `state`), recording the program's
+    first step and telling auto which level ran (with the program's compile seconds the first
+    time)."""
+    fn = self.program(level, batch)
+    key = (level, self._size)
+    first = key not in self.programs
+    if first:
+      self.programs[key] = {"level": level, "size": self._size, "first_step": step,
+                            "compile_s": self.compile_s[key],
+                            "form": None if self.auto is None else self.auto.form_at(step)}
+    if self.auto is not None:
+      self.auto.ran(level, self.compile_s[key] if first else None)
+    self.state, metrics = fn(self.state, *batch)
+    return metrics
+
+  def programs_run(self) -> list[dict[str, Any]]:
+    """The train steps the run has taken, each at its first step: {"level", "size",
+    "first_step", "compile_s" (its compilation, ahead or at that step), "form" (auto's form in
+    force at that step, a density warm-up's level that runs the dense form's exchange
+    included; None for a fixed algorithm)}."""
+    return list(self.programs.values())
 
   def compile(self) -> None:
     """Compiles, now, every train step the run passes through (each density level at each
-    image size it meets; under "auto" both forms at every size, the dense form's steady step
-    too, and its probes): for a caller that keeps compilation off its clock. Nothing runs on
+    image size it meets; under "auto" both forms at every size and the dense form's steady
+    step; auto's probes compile in its first measurement, which counts them), timing each
+    (`compile_s`): for a caller that keeps compilation off its clock. Nothing runs on
     `state`."""
     plan = self.plan
     if self.pipeline is not None:
@@ -134,12 +163,12 @@ class Run:
       for first, size in plan.stages:
         for level in (plan.dense_level, plan.steady_level, final):
           pairs.setdefault((level, size), first)
+    now = self._size
     for (level, size), step in pairs.items():
       if (level, size) not in self._compiled:
-        self._compiled[level, size] = step_lib.jit_train_step(
-            self.setup, self.state, level).lower(self.state, *self.batch(step)).compile()
-    if self.auto is not None:
-      self.auto.compile(self.state, self.batch(0))
+        self._size = size
+        self.program(level, self.batch(step))
+    self._size = now
 
   # --- steps
 
@@ -163,8 +192,7 @@ class Run:
       level = self.auto.level(step)
     else:
       level = self.plan.level(step)
-    self.state, metrics = self.program(level)(self.state, *batch)
-    return [metrics]
+    return [self._run_program(step, level, batch)]
 
   def step_at(self, step: int, at: int) -> dict[str, jax.Array] | None:
     """Batch `step` at the density level and image size of step `at` (auto: its form fixed
@@ -177,8 +205,7 @@ class Run:
     if self.pipeline is not None:
       self.state, metrics = self.pipeline.steady(self.state, batch, level)
       return metrics
-    self.state, metrics = self.program(level)(self.state, *batch)
-    return metrics
+    return self._run_program(step, level, batch)
 
   def wait(self) -> None:
     """Blocks until every step dispatched so far is done."""

@@ -86,10 +86,28 @@ def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
     out.append({"seed": r["seed"], "steps": hit["step"] if hit else None,
                 "time_s": hit["train_time_s"] if hit else None, "forms": forms,
                 "predictions": predictions(choices),
-                # auto's measurements before the target (their compilations included)
+                # auto's measurements before the target (the probes' compilations included)
                 "measure_s": sum(c["measure_ms"] for c in measured) / 1e3,
-                "first_measure_s": measured[0]["measure_ms"] / 1e3 if measured else 0.0})
+                "first_measure_s": measured[0]["measure_ms"] / 1e3 if measured else 0.0,
+                "compile_s": switch_compiles_s(r["programs"], hit and hit["step"])
+                if "programs" in r else None})
   return out
+
+
+def switch_compiles_s(programs: list[dict[str, Any]], before: int | None) -> float:
+  """What auto compiled beyond a fixed system: the programs it first ran before step `before`
+  (None: all) in a form other than the one it ran first at their input size. A fixed system of
+  the form auto started each size in compiles the rest too; a user's run compiles these at the
+  switch, on its clock (the study compiles every program before the clock, each timed:
+  `Run.programs_run`)."""
+  first: dict[Any, str] = {}
+  extra = 0.0
+  for p in sorted(programs, key=lambda p: p["first_step"]):
+    if before is not None and p["first_step"] >= before:
+      continue
+    if p["form"] != first.setdefault(p["size"], p["form"]):
+      extra += p["compile_s"]
+  return extra
 
 
 def predictions(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,6 +193,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
           "auto_over_best_by_seed": paired(runs, trained or {}),
           **({"auto_measure_s": [x["measure_s"] for x in spent],
               "auto_first_measure_s": [x["first_measure_s"] for x in spent],
+              "auto_compile_s": [x.get("compile_s") for x in spent],
               "auto_over_best_by_seed_unmeasured": paired(
                   [{**x, "time_s": x["time_s"] and x["time_s"] - x["measure_s"]}
                    for x in spent], trained or {})} if spent else {}),
@@ -212,8 +231,17 @@ def _forms(forms: list[list]) -> str:
 
 
 def _shares(row: dict[str, Any]) -> list[float]:
-  """Per seed, auto's measurements over its time to target (seeds that reached it)."""
-  return [m / t for m, t in zip(row["auto_measure_s"], row["auto_time_s"]) if t]
+  """Per seed, auto's measurements and the compiles of its switches (where recorded) over its
+  time to target with those compiles added (a user's run compiles them on its clock; seeds
+  that reached the target)."""
+  compiles = row.get("auto_compile_s") or [None] * len(row["auto_measure_s"])
+  return [(m + (c or 0.0)) / (t + (c or 0.0))
+          for m, c, t in zip(row["auto_measure_s"], compiles, row["auto_time_s"]) if t]
+
+
+def _compiles(row: dict[str, Any]) -> str:
+  compiles = row.get("auto_compile_s") or [None]
+  return "not recorded" if None in compiles else spread(compiles, 2)
 
 
 def table(results: dict[str, Any]) -> str:
@@ -241,14 +269,18 @@ def table(results: dict[str, Any]) -> str:
                  f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
   costs = [row for row in rows if "auto_measure_s" in row]
   if costs:
-    lines += ["", "auto's measurements before the target (s: its link probes on the clock, "
-              "3 seeds min / median / max; the programs it runs are compiled before the clock, "
-              "as every system's: benchmarks/compile_ahead.py), their share of its run, the "
-              "first one alone, and auto's time over the fastest fixed system by seed with "
-              "them left out (what auto costs once measured: its choices):", "",
-              "| link | measurements s | share of the run % | the first s | by seed without them |",
-              "|---|---:|---:|---:|---:|"]
-    lines += [f"| {row['bandwidth']} | {spread(row['auto_measure_s'], 2)} | "
+    lines += ["", "auto's measurements before the target (s: its link and selection probes on "
+              "the clock, their first compilation included; 3 seeds min / median / max), what "
+              "its switches compiled (the programs of a form other than the one it started an "
+              "input size in: every system's programs are compiled before the clock, each "
+              "timed, and a user's run compiles these at the switch), both as a share of its "
+              "run with those compiles added, the first measurement alone, and auto's time over "
+              "the fastest fixed system by seed with the measurements left out (what auto costs "
+              "once measured: its choices):", "",
+              "| link | measurements s | switch compiles s | share of the run % | the first s "
+              "| by seed without them |",
+              "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {row['bandwidth']} | {spread(row['auto_measure_s'], 2)} | {_compiles(row)} | "
               f"{spread(_shares(row), 1, 100)} | "
               f"{spread(row['auto_first_measure_s'], 2)} | "
               f"{spread(row['auto_over_best_by_seed_unmeasured'], 2) or '-'} |" for row in costs]

@@ -153,6 +153,8 @@ def run_worker(args) -> None:
   row = {"system": args.system, "seed": args.seed, "total_steps": run.plan.total_steps,
          "steps_per_epoch": run.plan.steps_per_epoch,
          "curve": train_phase(config, run, args, lead)}
+  if isinstance(run, Run):  # each program the run took, its compile (before the clock) timed
+    row["programs"] = run.programs_run()
   auto = getattr(run, "auto", None)
   if auto is not None:  # measuring, its forms follow the link: no step time per level to sweep
     row["exchange_choices"] = auto.history

@@ -21,8 +21,10 @@ exchange, read from the run; a form not yet run takes the other's) plus its mode
 the link read now (`sparsejax.cost.exchange_time`); the sparse form needs F times dense's steps,
 F at `auto.step_factor_quantile` of the factors measured on the study's tasks (`STEP_FACTORS`) or
 the user's `auto.step_factor`; the form in force is kept unless the other's time over the steps
-left is shorter by more than `auto.margin`. Not modelled: the density warm-up's higher levels
-(their steps cost more than the final density's) and any overlap of the exchange with compute.
+left is shorter by more than `auto.margin` and what the switch compiles (`switch_s`: where the
+other form has not run at this input size, its programs at what the run's took there). Not
+modelled: the density warm-up's higher levels (their steps cost more than the final density's)
+and any overlap of the exchange with compute.
 
 `auto.schedule` fixes the forms by epoch instead (no measurement): for reproducible runs, the
 tests, and the fixed schedules a study compares auto with. A schedule's "measured" entries hand
@@ -50,10 +52,11 @@ from sparsejax.train.auto.model import (
                                         predict,
                                         probe_interval,
                                         step_factor,
+                                        switch_s,
 )
 from sparsejax.train.auto.probes import large_probe_size
 
 __all__ = ["Link", "fit_link", "exchange_s", "predict", "moved",
            "fit_in_steps", "faster", "large_probe_size", "lag_steps", "step_factor",
-           "STEP_FACTORS", "choose", "probe_interval", "measuring", "AutoExchange", "describe",
-           "FORMS"]
+           "STEP_FACTORS", "choose", "switch_s", "probe_interval", "measuring", "AutoExchange",
+           "describe", "FORMS"]

@@ -5,7 +5,9 @@ Nothing is timed on a copy of the state and no form is run to be tried: the form
 steps, as the run takes them between two measurements, give its rest; the other form's step is
 its own rest where it has run at this input size, else the same rest, plus its modelled
 exchange. Only the form in force is compiled; a switch pays the other's compile once, in the
-run's step that follows it.
+run's step that follows it, and is chosen only where it saves more than that (`switch_s`: the
+programs the other form would compile at this input size, at what the run's took there; the run
+reports each step's program through `ran`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sparsejax.train.auto.model import (
   predict,
   probe_interval,
   step_factor,
+  switch_s,
 )
 from sparsejax.train.auto.probes import probe_link, probe_select, slowest
 
@@ -76,6 +79,9 @@ class AutoExchange:
     self._before: dict[str, float] | None = None  # the rests at the old size, after a resize
     self._read_forms: set[str] = set()  # the forms whose rest the run gave at this size
     self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
+    self._ran: set[int] = set()  # the levels run at this input size (their programs compiled)
+    self._compiled: list[float] = []  # seconds each program run at this size took to compile
+    self._compiled_before: list[float] = []  # ... at the last size that had any
     self._last: Link | None = None  # the link the last choice was made on
     self.probe_s = 0.0  # the last measurement's probes, wall seconds (the slowest process's)
     self.lead = jax.process_index() == 0
@@ -92,7 +98,7 @@ class AutoExchange:
     """The schedule's form at `step` ("measured" where it measures)."""
     return self.plan.form(step)
 
-  def _form_at(self, step: int) -> str | None:
+  def form_at(self, step: int) -> str | None:
     """The form the run takes at `step`: the schedule's, or the choice in force there."""
     form = self._scheduled(step)
     if form != "measured":
@@ -100,7 +106,7 @@ class AutoExchange:
     return next((e["form"] for e in reversed(self.history) if e["step"] <= step), None)
 
   def _base_level(self, step: int) -> int | None:
-    form = self._form_at(step)
+    form = self.form_at(step)
     return self.dense_level if form == "dense" else self.sparse_level(step)
 
   def level(self, step: int) -> int:
@@ -128,11 +134,11 @@ class AutoExchange:
     window = self._window  # (a form's first window at this input size: its rest read)
     if (self.options.probe_budget and self._last is not None and window is not None
         and step - window[1] >= self.MIN_WINDOW
-        and self._form_of(window[0]) not in self._read_forms):
+        and self.form_of(window[0]) not in self._read_forms):
       return "read"
     return None
 
-  def _form_of(self, level: int) -> str:
+  def form_of(self, level: int) -> str:
     """The form a level belongs to."""
     return "dense" if level in (self.dense_level, self.plan.steady_level) else "sparse"
 
@@ -192,18 +198,31 @@ class AutoExchange:
       return
     self._before = dict(self._rest)  # (`_rest` stands until the first read at the new size)
     self._read_forms = set()
+    self._ran = set()
+    self._compiled_before = self._compiled or self._compiled_before
+    self._compiled = []
     self._window, self._open_at = None, step + 1
 
-  # --- the link and the model
+  def ran(self, level: int, compile_s: float | None = None) -> None:
+    """The run's step ran at `level`; `compile_s`: its program's compile seconds where this is
+    the program's first step at this input size (compiled now or before the run's clock)."""
+    if level not in self._ran and compile_s is not None:
+      self._compiled.append(compile_s)
+    self._ran.add(level)
 
-  def compile(self, state: Any, batch: Sequence[jax.Array]) -> None:
-    """Runs the probes once, untimed (their compilation), and probes the selection (which does
-    not depend on the link): for a caller that keeps compilation off its clock (a benchmark);
-    a run that skips it pays it in its first measurement."""
-    del state, batch
-    _, self._link, _ = probe_link(self.setup.mesh, self.shard, None)  # (sizes the next one)
-    self._select_s, = slowest([probe_select(self.compression.selector, self.shard, self.k,
-                                              self.nodes)])
+  def _switch_s(self, step: int) -> float:
+    """What a switch away from the form in force at `step` would compile (`switch_s`): the
+    other form's programs at this input size that have not run here (the dense form's first
+    step and its steady step, or the sparse form's level), this process's estimate."""
+    if self.form is None:
+      return 0.0  # (the first choice: the run compiles its first form either way)
+    if self.form == "sparse":
+      levels = {self.dense_level, self.plan.steady_level}
+    else:
+      levels = {self.sparse_level(step)}
+    return switch_s(len(levels - self._ran), self._compiled or self._compiled_before)
+
+  # --- the link and the model
 
   def _exchange(self, link: Link, density: float | None = None) -> dict[str, float]:
     """Each form's modelled exchange on `link` (the sparse form's at `density`, by default the
@@ -223,15 +242,17 @@ class AutoExchange:
       untimed.append(time.perf_counter() - t0)
     return read
 
-  def _decide(self, link: Link) -> tuple[str, dict[str, float]]:
-    """The form chosen on `link` and each form's predicted step (`predict`; before any step was
-    read, the exchanges alone: the rest is at least 0, and the first window reads it)."""
-    exchange = self._exchange(link)
-    if not self._rest:
-      return choose(exchange, self.factor, self.form, self.options.margin), exchange
-    read = self.form if self.form in self._rest else next(iter(self._rest))
-    steps = predict(self._rest, exchange, read)
-    return choose(steps, self.factor, self.form, self.options.margin), steps
+  def _decide(self, link: Link, steps_left: int, switch: float
+              ) -> tuple[str, dict[str, float]]:
+    """The form chosen on `link` over `steps_left` steps, a switch costing `switch` seconds, and
+    each form's predicted step (`predict`; before any step was read, the exchanges alone: the
+    rest is at least 0, and the first window reads it)."""
+    steps = self._exchange(link)
+    if self._rest:
+      read = self.form if self.form in self._rest else next(iter(self._rest))
+      steps = predict(self._rest, steps, read)
+    return choose(steps, self.factor, self.form, self.options.margin, steps_left=steps_left,
+                  switch_s=switch), steps
 
   def measure(self, step: int, state: Any, probe: bool = True) -> dict[str, Any]:
     """Reads the steps since the last measurement (the form in force's rest) and, with `probe`,
@@ -246,12 +267,13 @@ class AutoExchange:
     probe_s = time.perf_counter() - start - sum(untimed) if probe else self.probe_s
     how, form = ("no step read yet: the rest taken as 0" if not self._rest
                  else "no window since the last measurement: the rests read before"), None
+    switch = self._switch_s(step)
     if observed is not None:
       level, step_s, count = observed
-      form = self._form_of(level)
+      form = self.form_of(level)
       self._read_forms.add(form)
       density = 1.0 if form == "dense" else self.levels[level]
-      step_s, probe_s = slowest([step_s, probe_s])
+      step_s, probe_s, switch = slowest([step_s, probe_s, switch])
       read = fit_in_steps(read, {form: step_s}, lambda at: self._exchange(at, density))
       rest = step_s - self._exchange(read, density)[form]
       if self._before is not None:  # the first read at a new input size
@@ -262,20 +284,22 @@ class AutoExchange:
       how = f"observed over {count} steps" + (
           f" at density {density:.3g}" if density not in (1.0, self.compression.density) else "")
     else:
-      probe_s, = slowest([probe_s])
+      probe_s, switch = slowest([probe_s, switch])
     link = read
-    chosen, steps = self._decide(link)
+    steps_left = self.total_steps - step
+    chosen, steps = self._decide(link, steps_left, switch)
     if chosen != (self.form or "dense"):
       again, self._link, _ = probe_link(self.setup.mesh, self.shard, self._link, untimed)
       link = faster(read, again, 4 * self.shard)
       how += (f"; link read twice ({8e-6 * read.bytes_per_s:.3g} and "
               f"{8e-6 * again.bytes_per_s:.3g} Mbit/s), the faster kept")
-      chosen, steps = self._decide(link)
+      chosen, steps = self._decide(link, steps_left, switch)
     self.probe_s = probe_s
     self._last = link
     return {"form": chosen, "link": link, "measured": form,
             "measured_step_ms": None if observed is None else 1e3 * step_s,
-            "how": how, "steps": steps, "measure_ms": 1e3 * (time.perf_counter() - start)}
+            "how": how, "steps": steps, "switch_s": switch,
+            "measure_ms": 1e3 * (time.perf_counter() - start)}
 
   def before_step(self, step: int, state: Any, batch: Sequence[jax.Array], writer: Any) -> None:
     """Measures and chooses where due; logs the choice; times the steps between."""
@@ -299,7 +323,8 @@ class AutoExchange:
           measured=m["measured"], measured_step_ms=m["measured_step_ms"], how=m["how"],
           dense_step_ms=1e3 * steps["dense"], sparse_step_ms=1e3 * steps["sparse"],
           **{f"{f}_rest_ms": 1e3 * r for f, r in self._rest.items()},
-          remaining_steps=self.total_steps - step, step_factor=self.factor,
+          remaining_steps=self.total_steps - step, switch_ms=1e3 * m["switch_s"],
+          step_factor=self.factor,
           factor_from=self.factor_from, probe_ms=1e3 * self.probe_s,
           next_step=self._next(step, steps[m["form"]]), measure_ms=m["measure_ms"])
       if resized and self._before is None:  # the first read at a new input size
@@ -326,7 +351,10 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
       f"{measured}, selection {entry['select_ms']:.1f} ms -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
       f"{entry['step_factor']:.3g} ({entry['factor_from']}) = "
-      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms; chose {entry['form']}; "
+      f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms"
+      + (f" over {entry['remaining_steps']} steps, a switch compiling "
+         f"{entry['switch_ms'] / 1e3:.1f} s" if entry.get("switch_ms") else "")
+      + f"; chose {entry['form']}; "
       f"probes {entry['probe_ms']:.0f} ms ({entry['measure_ms']:.0f} ms in all), "
       + ("no more measurements unless scheduled" if entry["next_step"] is None
          else f"next due at step {entry['next_step']}"))

@@ -9,7 +9,9 @@ form's rest (both run the same pass and update). The sparse form needs F times d
 to the target; F is not readable from the run before both forms have reached it, so auto takes
 it at a quantile of the factors measured on the study's tasks (`STEP_FACTORS`, `step_factor`).
 Over the steps left, dense costs s_dense a step and sparse F s_sparse; the form in force is kept
-unless the other is shorter by more than a margin (`choose`). Before any step is read, c is
+unless the other saves more than a margin of its time and, beyond it, what the switch costs: the
+other form's compilation where it has not run at this input size, taken at what the run's own
+programs took to compile there (`choose`). Before any step is read, c is
 unknown but at least 0, and sparse's F (c + x_sparse) beats dense's c + x_dense for some c >= 0
 only where x_dense > F x_sparse: the first choice weighs the exchanges alone, and the first
 window (a few steps later) reads c and corrects it.
@@ -26,7 +28,7 @@ import numpy as np
 from sparsejax import comm, cost
 
 __all__ = ["FORMS", "STEP_FACTORS", "Link", "fit_link", "exchange_s", "predict",
-           "moved", "step_factor", "lag_steps", "choose", "probe_interval", "measuring",
+           "moved", "step_factor", "lag_steps", "choose", "switch_s", "probe_interval", "measuring",
            "faster", "fit_in_steps", "other_form"]
 
 FORMS = ("dense", "sparse")
@@ -122,16 +124,30 @@ def lag_steps(spread: float, density: float) -> float:
 
 
 def choose(step_s: dict[str, float], step_factor: float, current: str | None,
-           margin: float) -> str:
+           margin: float, *, steps_left: int = 1, switch_s: float = 0.0) -> str:
   """The form with the shorter predicted time to the target (the sparse step times
   `step_factor`: `step_factor(quantile)`, or the user's `auto.step_factor`), the `current` one
-  (before the first choice: dense) unless the other is faster by more than `margin`."""
+  (before the first choice: dense) unless the other saves more than `margin` of the current
+  form's time over the `steps_left` steps and, beyond that, the `switch_s` seconds a switch
+  costs (the other form's compilation where it has not run at this input size)."""
   to_target = {"dense": step_s["dense"], "sparse": step_s["sparse"] * step_factor}
   best = min(FORMS, key=lambda f: to_target[f])
   current = current or "dense"  # (a close call at the start: the form that costs no steps)
   if best == current:
     return best
-  return best if to_target[best] < (1.0 - margin) * to_target[current] else current
+  saved = ((1.0 - margin) * to_target[current] - to_target[best]) * steps_left
+  return best if saved > switch_s else current
+
+
+def switch_s(programs: int, compiled_s: Sequence[float]) -> float:
+  """Seconds a switch costs in compilation: `programs` the other form would compile at this
+  input size, each taken at the median of what the run's programs took to compile there
+  (`compiled_s`; the two forms run the same pass and update, their exchanges differ little in
+  what they compile: on the ResNet-20 at 3 sizes a dense program took 4.6 s, a sparse one 4.6 s,
+  benchmarks/compile_ahead.py)."""
+  if programs <= 0 or not len(compiled_s):
+    return 0.0
+  return programs * float(np.median(np.asarray(compiled_s, np.float64)))
 
 
 def probe_interval(probe_s: float, step_s: float, budget: float) -> int | None:
