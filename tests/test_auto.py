@@ -12,6 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from conftest import override
@@ -472,6 +473,27 @@ def test_a_switch_must_save_more_than_the_other_form_s_compile(tmp_path, monkeyp
     assert c["form"] == "sparse" and c["dense_step_ms"] < c["sparse_step_ms"] * c["step_factor"]
     assert auto.choose(step_s, c["step_factor"], "sparse", 0.05) == "dense", c
   assert all(p["compile_s"] > 0 and p["size"] is None for p in programs), programs
+
+
+@pytest.mark.integration
+def test_the_probes_wait_for_the_steps_the_run_dispatched(monkeypatch):
+  """A measurement with no window to close (the step after another one) still lets the run's
+  dispatched steps finish before it times the link: a probe queued behind them read their time
+  as the link's."""
+  from sparsejax.train import Run
+  ready = []
+
+  def probe(mesh, shard, prior=None, untimed=None):
+    ready.append(all(x.is_ready() for x in jax.tree.leaves(run.state)))
+    link = auto.Link(1e-4, math.inf)
+    return link, link, 0.0
+  monkeypatch.setattr(auto.controller, "probe_link", probe)
+  run = Run(auto_config(**{"auto.schedule": tuple(
+      (s / STEPS_PER_EPOCH, "measured") for s in (0, 1, 2, 3)), "num_epochs": 0.5}))
+  for step in range(4):
+    run.step(step)
+  run.wait()
+  assert len(ready) >= 4 and all(ready), ready
 
 
 def test_of_two_link_reads_the_faster_is_kept():

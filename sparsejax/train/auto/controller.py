@@ -261,7 +261,12 @@ class AutoExchange:
     through at full speed, a stall makes one slow: one read does not switch the form). Returns
     the log entry's figures."""
     observed = self._observe(step, state)
-    start = time.perf_counter()  # (the window's steps waited for are the run's, not ours)
+    # the steps dispatched so far finish first, window or not: they are the run's, and a probe
+    # queued behind them read their time as the link's (1.3-4.2 s for 2 small all-reduces on
+    # the Python docs Transformer at 50 Mbit/s, a measurement right after the warm-up's level
+    # changed and restarted the window)
+    jax.block_until_ready(state)
+    start = time.perf_counter()
     untimed: list[float] = []
     read = self._read(untimed) if probe else self._last
     probe_s = time.perf_counter() - start - sum(untimed) if probe else self.probe_s
