@@ -271,9 +271,11 @@ def spread(values: Sequence[float | None], digits: int = 2, scale: float = 1.0) 
 
 
 def footer(meta: dict) -> str:
-  """The line every result table ends with: its command, machine and date (from `meta`)."""
-  return (f"Command: `{meta['command']}`; machine: {meta['machine']} ({meta['cpus']} cores); "
-          f"date: {meta['date']}.")
+  """The line every result table ends with: its command, commit (where `meta` has one),
+  machine and date (from `meta`)."""
+  commit = f"commit {meta['commit']}; " if meta.get("commit") else ""
+  return (f"Command: `{meta['command']}`; {commit}machine: {meta['machine']} "
+          f"({meta['cpus']} cores); date: {meta['date']}.")
 
 
 def json_path(value: str) -> str:

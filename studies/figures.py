@@ -1,4 +1,5 @@
-"""The numbers the README's "Does it pay?" quotes, each tied to the result file it comes from.
+"""The numbers the README's "Does it pay?" and docs/headline-results.md quote, each tied to the
+result file it comes from.
 
   python -m studies.figures          # every quote, its file, its value now, and how it was made
 
@@ -99,11 +100,45 @@ def _measured_over_predicted(j):
   return (max(abs(1 - v) for v in ratios) * 100,)
 
 
+def _median_times(link: str, systems: Sequence[str]) -> Callable:
+  """A time-to-accuracy file's median time to target of each of `systems` at `link` (modelled:
+  steps x the step swept there), after the link's R."""
+  def values(j):
+    a = j["analysis"]
+    return (j["exchange_over_compute"][link], *(
+        statistics.median(a[s]["predicted_time_to_target_s"][link]) for s in systems))
+  return values
+
+
+def _trained_times(systems: Sequence[str]) -> Callable:
+  """Each of `systems`' median measured train time to target (trained end to end)."""
+  return lambda j: tuple(statistics.median(x["train_time_to_target_s"]
+                                           for x in j["analysis"][s]["seeds"]) for s in systems)
+
+
+def _finals(*systems: str, key: str = "final") -> Callable:
+  """Each of `systems`' final metrics, sorted (min / median / max of the seeds), in turn."""
+  return lambda j: tuple(v for s in systems for v in sorted(j["analysis"][s][key]))
+
+
+def _seed_times(*systems: str) -> Callable:
+  """Each of `systems`' measured train times to target, sorted, in turn."""
+  return lambda j: tuple(v for s in systems for v in sorted(
+      x["train_time_to_target_s"] for x in j["analysis"][s]["seeds"]))
+
+
+def _parity(j):
+  return tuple(sorted(p["jax_over_torch"] for p in j["parity"]))
+
+
 def _auto_over_best(j):
   return (j["rows"][0]["auto_over_best"],)
 
 
 AUTO = "studies/auto/results/auto_v2_"
+HEADLINE = "docs/headline-results.md"
+MLP = ("dense", "hitopk-0.01-mc", "hitopk-0.001-mc", "hitopk-0.01", "torch-ddp")
+MLP_SLOW = ("2gbit", "1gbit", "500mbit", "200mbit")  # the MLP's links where R >= 2 (1.98 at 2)
 
 QUOTES: tuple[Quote, ...] = (
     Quote("README.md", "HiTopKComm 0.001 with momentum correction reaches the target "
@@ -176,6 +211,82 @@ QUOTES: tuple[Quote, ...] = (
     Quote("README.md", "end to end on 8 emulated nodes within {0:.0f}%",
           TTA + "time_to_accuracy_fmnist_8nodes.json", _measured_over_predicted,
           "trained end to end"),
+    # docs/headline-results.md: the MLP on Fashion-MNIST
+    *(Quote(HEADLINE, f"| {label} ({{0:{r}}}): steps x measured step time | {{1:.1f}} | "
+            "{2:.1f} | {3:.1f} | {4:.1f} | {5:.1f} |", TTA + "time_to_accuracy.json",
+            _median_times(link, MLP), "modelled")
+      for label, link, r in (("unlimited", "unlimited", ".1f"), ("2 Gbit/s", "2gbit", ".1f"),
+                             ("1 Gbit/s", "1gbit", ".1f"), ("500 Mbit/s", "500mbit", ".1f"),
+                             ("200 Mbit/s", "200mbit", ".0f"))),
+    Quote(HEADLINE, "| **1 Gbit/s ({0:.1f}): trained end to end, measured** | {1:.1f} | "
+          "{2:.1f} | {3:.1f} | {4:.1f} | {5:.1f} |", TTA + "time_to_accuracy.json",
+          lambda j: (j["exchange_over_compute"]["1gbit"], *_trained_times(MLP)(j)),
+          "trained end to end"),
+    Quote(HEADLINE, "(checked at 1 Gbit/s: measured over computed {0:.2f}-{1:.2f})",
+          TTA + "time_to_accuracy.json",
+          lambda j: (min(v for s in j["analysis"].values()
+                         for v in s["measured_over_predicted_at_headline"]),
+                     max(v for s in j["analysis"].values()
+                         for v in s["measured_over_predicted_at_headline"])),
+          "trained end to end"),
+    Quote(HEADLINE, "reaches the target {0:.2f}-{1:.1f}x sooner than sparsejax dense (every "
+          "seed) and {2:.2f}-{3:.1f}x sooner than PyTorch DDP", TTA + "time_to_accuracy.json",
+          lambda j: (*_speedups("dense", "hitopk-0.001-mc", MLP_SLOW)(j),
+                     *_speedups("torch-ddp", "hitopk-0.001-mc", MLP_SLOW)(j)), "modelled"),
+    Quote(HEADLINE, "at 0.01 it ends at dense's accuracy ({0:.4f} vs {1:.4f}), at 0.001 half a "
+          "point below ({2:.4f})", TTA + "time_to_accuracy.json",
+          lambda j: tuple(statistics.median(j["analysis"][s]["final_accuracy"])
+                          for s in ("hitopk-0.01-mc", "dense", "hitopk-0.001-mc")),
+          "trained end to end"),
+    Quote(HEADLINE, "the sparse runs are {0:.2f}-{1:.2f}x (0.001) and {2:.2f}-{3:.2f}x (0.01) "
+          "dense's speed", TTA + "time_to_accuracy.json",
+          lambda j: (*_speedups("dense", "hitopk-0.001-mc", ("unlimited",))(j),
+                     *_speedups("dense", "hitopk-0.01-mc", ("unlimited",))(j)), "modelled"),
+    Quote(HEADLINE, "is the fastest at an unlimited link ({0:.1f} s)",
+          TTA + "time_to_accuracy.json", lambda j: (statistics.median(
+              j["analysis"]["torch-ddp"]["predicted_time_to_target_s"]["unlimited"]),),
+          "modelled"),
+    Quote(HEADLINE, "needs {0:.0f}% more steps", TTA + "time_to_accuracy.json",
+          lambda j: (100 * (statistics.median(x["steps_to_target"] for x in j["analysis"][
+              "hitopk-0.01"]["seeds"]) / statistics.median(
+                  x["steps_to_target"] for x in j["analysis"]["dense"]["seeds"]) - 1),),
+          "trained end to end"),
+    Quote(HEADLINE, "(JAX / PyTorch {0:.2f}-{2:.2f}x)", TTA + "time_to_accuracy.json", _parity,
+          "benchmark"),
+    # ... the Transformer LM
+    Quote(HEADLINE, "compute parity JAX / PyTorch {0:.2f} / {1:.2f} / {2:.2f}",
+          TTA + "time_to_accuracy_lm_pinned.json", _parity, "benchmark"),
+    Quote(HEADLINE, "(4.2842 / 4.2848 / 4.2991 against 4.3046 / 4.3094 / 4.3095"
+          .replace("4.2842 / 4.2848 / 4.2991", "{0:.4f} / {1:.4f} / {2:.4f}")
+          .replace("4.3046 / 4.3094 / 4.3095", "{3:.4f} / {4:.4f} / {5:.4f}"),
+          TTA + "time_to_accuracy_lm_1bit.json", _finals("hitopk-0.1-1bit", "dense"),
+          "trained end to end"),
+    Quote(HEADLINE, "{0:.2f}x and {1:.2f}x sooner than dense at 100 and 50 Mbit/s there",
+          TTA + "time_to_accuracy_lm_1bit.json",
+          lambda j: (_speedup_median("dense", "hitopk-0.1-1bit", "100mbit")(j)[0],
+                     _speedup_median("dense", "hitopk-0.1-1bit", "50mbit")(j)[0]), "modelled"),
+    Quote(HEADLINE, "dense with the same frozen variance ends lower still ({0:.3f})",
+          TTA + "time_to_accuracy_lm_1bit.json",
+          lambda j: (statistics.median(j["analysis"]["dense-fv"]["final"]),),
+          "trained end to end"),
+    # ... overlap
+    Quote(HEADLINE, "(final loss {0:.4f} / {1:.4f} / {2:.4f} against {3:.4f} / {4:.4f} / "
+          "{5:.4f}, min / median / max of 3 seeds",
+          TTA + "time_to_accuracy_lm_pipe_local_pinned.json", _finals("dense-pipe-l", "dense"),
+          "trained end to end"),
+    Quote(HEADLINE, "({0:.1f} / {1:.1f} / {2:.1f} s against {3:.1f} / {4:.1f} / {5:.1f} s",
+          TTA + "time_to_accuracy_lm_pipe_local_e2e_200mbit_pinned.json",
+          _seed_times("dense-pipe-l", "dense"), "trained end to end"),
+    Quote(HEADLINE, "its step is {0:.2f}x shorter at 50 Mbit/s",
+          TTA + "time_to_accuracy_lm_pipe_local_pinned.json",
+          _speedup_median("dense", "dense-pipe-l", "50mbit"), "modelled"),
+    # ... the CNN task's best sparse system
+    Quote(HEADLINE, "ends at {0:.4f} / {1:.4f} / {2:.4f} against dense's {3:.4f} / {4:.4f} / "
+          "{5:.4f} (seeds 0-2)", TTA + "time_to_accuracy_cnn_best.json",
+          lambda j: (*j["analysis"]["hitopk-0.04-mc-mean-w3"]["final"],
+                     *j["analysis"]["dense"]["final"]), "trained end to end"),
+    Quote(HEADLINE, "Compute parity JAX / PyTorch {0:.2f} / {1:.2f} / {2:.2f}",
+          TTA + "time_to_accuracy_cnn_parity.json", _parity, "benchmark"),
 )
 
 

@@ -205,7 +205,7 @@ class Run:
     if self.pipeline is not None:
       self.state, metrics = self.pipeline.steady(self.state, batch, level)
       return metrics
-    return self._run_program(step, level, batch)
+    return self._run_program(at, level, batch)  # (recorded at the step whose program it is)
 
   def wait(self) -> None:
     """Blocks until every step dispatched so far is done."""

@@ -39,6 +39,7 @@ from typing import Any
 from sparsejax.bench import (
   command_line,
   footer,
+  git_commit,
   json_path,
   portable_path,
   resolve,
@@ -339,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
   else:
     fixed = [s.strip() for s in args.fixed.split(",") if s.strip()]
     results = {"runs": {}, "fixed_runs": {}, "meta": {
-        "system": args.system, "seeds": args.seeds, "machine": platform.machine(),
+        "system": args.system, "seeds": args.seeds, "commit": git_commit(),
+        "machine": platform.machine(),
         "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
         "command": command_line("studies/auto/end_to_end.py",
                                 list(sys.argv[1:] if argv is None else argv))}}

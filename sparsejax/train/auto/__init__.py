@@ -3,10 +3,10 @@
 The compressor is `auto.sparse` built with its dense form (`density_schedule(...,
 dense_form=True)`): one state, two forms, so a switch loses nothing (a dense step sends the
 residual). `AutoExchange` picks the form before a step, at the first step and again whenever
-the last measurement's cost allows (`auto.probe_budget`: the link probes take at most that share
-of the run's time, `probe_interval`) and once the form in force has run a few steps at a new
-input size. What it reads (every process the same probes, each figure the slowest process's, so
-all processes choose alike):
+the measurements' cost allows (`auto.probe_budget`: they take at most that share of the
+run's time, their compilations included, `probe_interval`) and once the form in force has run
+a few steps at a new input size. What it reads (every process the same probes, each figure the
+slowest process's, so all processes choose alike):
 
   the step  the form in force's steps as the run takes them between two measurements
             (evaluations and checkpoints left out; a window restarts where the level changes);

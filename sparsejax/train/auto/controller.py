@@ -73,7 +73,8 @@ class AutoExchange:
     self.factor = a.step_factor or step_factor(a.step_factor_quantile)
     self.factor_from = ("auto.step_factor" if a.step_factor
                         else f"auto.step_factor_quantile {a.step_factor_quantile:g}")
-    self._select_s: float | None = None  # the sparse form's local work, probed once
+    self._select_s: float | None = None  # the sparse form's local work, probed once: when first
+    # needed (`_probe_select`)
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self._rest: dict[str, float] = {}  # each form's rest at this input size, read from the run
     self._before: dict[str, float] | None = None  # the rests at the old size, after a resize
@@ -84,6 +85,7 @@ class AutoExchange:
     self._compiled_before: list[float] = []  # ... at the last size that had any
     self._last: Link | None = None  # the link the last choice was made on
     self.probe_s = 0.0  # the last measurement's probes, wall seconds (the slowest process's)
+    self.spent_s = 0.0  # every measurement's wall seconds so far, compilations included (ditto)
     self.lead = jax.process_index() == 0
     # the steps timed since the last measurement: (level, first step, its start, paused seconds)
     self._window: tuple[int, int, float, float] | None = None
@@ -147,7 +149,8 @@ class AutoExchange:
     unless the schedule asks): at least MIN_WINDOW steps of the chosen form after the one that
     may compile it, so that the next measurement reads it. (A choice made before any step was
     read is read again sooner: as soon as the chosen form has run MIN_WINDOW steps, `_due`.)"""
-    interval = probe_interval(self.probe_s, step_s, self.options.probe_budget)
+    interval = probe_interval(self.probe_s, step_s, self.options.probe_budget,
+                              spent_s=self.spent_s, step=step)
     return None if interval is None else step + max(interval, self.MIN_WINDOW + 1)
 
   # --- timing the steps the run takes
@@ -233,14 +236,22 @@ class AutoExchange:
 
   def _read(self, untimed: list[float]) -> Link:
     """The link read by the probes (the slowest process's reads, so every process decides
-    alike), the selection probed once."""
+    alike)."""
     read, self._link, _ = probe_link(self.setup.mesh, self.shard, self._link, untimed)
-    if self._select_s is None:  # one untimed call (compilation), then the fewest of its calls
-      t0 = time.perf_counter()
-      self._select_s, = slowest([probe_select(self.compression.selector, self.shard, self.k,
-                                                self.nodes)])
-      untimed.append(time.perf_counter() - t0)
     return read
+
+  def _probe_select(self) -> None:
+    """Probes the sparse form's local work, once (its compilation and calls added to
+    `spent_s`): where the sparse form's own steps are read (the rest is their time less an
+    exchange that holds it), or where the sparse form wins without it (the selection only adds
+    to the sparse step: a choice of dense stands whatever it costs, so at a fast link it is
+    never compiled)."""
+    if self._select_s is not None:
+      return
+    t0 = time.perf_counter()
+    select = probe_select(self.compression.selector, self.shard, self.k, self.nodes)
+    self._select_s, wall = slowest([select, time.perf_counter() - t0])
+    self.spent_s += wall
 
   def _decide(self, link: Link, steps_left: int, switch: float
               ) -> tuple[str, dict[str, float]]:
@@ -251,8 +262,12 @@ class AutoExchange:
     if self._rest:
       read = self.form if self.form in self._rest else next(iter(self._rest))
       steps = predict(self._rest, steps, read)
-    return choose(steps, self.factor, self.form, self.options.margin, steps_left=steps_left,
-                  switch_s=switch), steps
+    chosen = choose(steps, self.factor, self.form, self.options.margin, steps_left=steps_left,
+                    switch_s=switch)
+    if chosen == "sparse" and self._select_s is None:  # (without its selection: probe it)
+      self._probe_select()
+      return self._decide(link, steps_left, switch)
+    return chosen, steps
 
   def measure(self, step: int, state: Any, probe: bool = True) -> dict[str, Any]:
     """Reads the steps since the last measurement (the form in force's rest) and, with `probe`,
@@ -273,12 +288,15 @@ class AutoExchange:
     how, form = ("no step read yet: the rest taken as 0" if not self._rest
                  else "no window since the last measurement: the rests read before"), None
     switch = self._switch_s(step)
+    wall = time.perf_counter() - start  # (this measurement's so far: its probes' compiles too)
     if observed is not None:
       level, step_s, count = observed
       form = self.form_of(level)
       self._read_forms.add(form)
       density = 1.0 if form == "dense" else self.levels[level]
-      step_s, probe_s, switch = slowest([step_s, probe_s, switch])
+      step_s, probe_s, switch, wall = slowest([step_s, probe_s, switch, wall])
+      if form == "sparse":
+        self._probe_select()  # (its steps hold the selection: the rest is what is left)
       read = fit_in_steps(read, {form: step_s}, lambda at: self._exchange(at, density))
       rest = step_s - self._exchange(read, density)[form]
       if self._before is not None:  # the first read at a new input size
@@ -289,7 +307,8 @@ class AutoExchange:
       how = f"observed over {count} steps" + (
           f" at density {density:.3g}" if density not in (1.0, self.compression.density) else "")
     else:
-      probe_s, switch = slowest([probe_s, switch])
+      probe_s, switch, wall = slowest([probe_s, switch, wall])
+    self.spent_s += wall
     link = read
     steps_left = self.total_steps - step
     chosen, steps = self._decide(link, steps_left, switch)
@@ -324,13 +343,15 @@ class AutoExchange:
       steps, link = m["steps"], m["link"]
       entry.update(
           form=m["form"], why="measured", link_MBps=link.bytes_per_s / 1e6,
-          call_ms=1e3 * link.fixed_s, select_ms=1e3 * (self._select_s or 0.0),
+          call_ms=1e3 * link.fixed_s,
+          select_ms=None if self._select_s is None else 1e3 * self._select_s,
           measured=m["measured"], measured_step_ms=m["measured_step_ms"], how=m["how"],
           dense_step_ms=1e3 * steps["dense"], sparse_step_ms=1e3 * steps["sparse"],
           **{f"{f}_rest_ms": 1e3 * r for f, r in self._rest.items()},
           remaining_steps=self.total_steps - step, switch_ms=1e3 * m["switch_s"],
           step_factor=self.factor,
           factor_from=self.factor_from, probe_ms=1e3 * self.probe_s,
+          spent_ms=1e3 * self.spent_s,
           next_step=self._next(step, steps[m["form"]]), measure_ms=m["measure_ms"])
       if resized and self._before is None:  # the first read at a new input size
         entry["input_shape"] = list(self._shape)
@@ -353,7 +374,10 @@ def describe(entry: dict[str, Any], compression: Any, options: Any) -> str:
               f"{entry['measured']} step {entry['measured_step_ms']:.1f} ms ({entry['how']})")
   return head + (
       f"link {8 * entry['link_MBps']:.0f} Mbit/s + {entry['call_ms']:.2f} ms a call; "
-      f"{measured}, selection {entry['select_ms']:.1f} ms -> step dense "
+      f"{measured}, "
+      + ("selection not probed (dense wins without it)" if entry["select_ms"] is None
+         else f"selection {entry['select_ms']:.1f} ms")
+      + " -> step dense "
       f"{entry['dense_step_ms']:.1f} ms, {sparse} {entry['sparse_step_ms']:.1f} ms x "
       f"{entry['step_factor']:.3g} ({entry['factor_from']}) = "
       f"{entry['sparse_step_ms'] * entry['step_factor']:.1f} ms"

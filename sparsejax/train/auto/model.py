@@ -142,22 +142,28 @@ def choose(step_s: dict[str, float], step_factor: float, current: str | None,
 def switch_s(programs: int, compiled_s: Sequence[float]) -> float:
   """Seconds a switch costs in compilation: `programs` the other form would compile at this
   input size, each taken at the median of what the run's programs took to compile there
-  (`compiled_s`; the two forms run the same pass and update, their exchanges differ little in
-  what they compile: on the ResNet-20 at 3 sizes a dense program took 4.6 s, a sparse one 4.6 s,
-  benchmarks/compile_ahead.py)."""
+  (`compiled_s`; the two forms run the same pass and update, and their exchanges differ little
+  in what they compile: each run's `programs` in studies/auto/results)."""
   if programs <= 0 or not len(compiled_s):
     return 0.0
   return programs * float(np.median(np.asarray(compiled_s, np.float64)))
 
 
-def probe_interval(probe_s: float, step_s: float, budget: float) -> int | None:
+def probe_interval(probe_s: float, step_s: float, budget: float, *, spent_s: float = 0.0,
+                   step: int = 0) -> int | None:
   """Steps to the next measurement: the fewest over which a measurement's `probe_s` seconds
-  stay within `budget` of the steps' time (`step_s` each); None for budget 0 (no more
-  measurements). On the Transformer LM at 2 Gbit/s a measurement's timed calls took 41-62 ms:
-  with a 0.12 s step and the default budget of 2%, one measurement every 17-26 steps."""
+  stay within `budget` of the steps' time (`step_s` each), and no fewer than keep every
+  measurement so far (`spent_s`, wall seconds, their compilations included) and the next one
+  within `budget` of the run's time by then (`step` steps of `step_s` so far). None for budget
+  0 (no more measurements). On the Transformer LM at 2 Gbit/s a measurement's timed calls took
+  41-62 ms: with a 0.12 s step and the default budget of 2%, one measurement every 17-26 steps;
+  the first measurement's compilations (0.4-0.6 s there) put off the next ones until the run
+  has paid them back."""
   if not budget:
     return None
-  return max(1, math.ceil(probe_s / (budget * step_s)))
+  each = math.ceil(probe_s / (budget * step_s))
+  ledger = math.ceil((spent_s + probe_s) / (budget * step_s) - step)
+  return max(1, each, ledger)
 
 
 def measuring(plan: Any) -> bool:
