@@ -114,3 +114,24 @@ def test_tensorflow_reads_the_event_file(tmp_path):
   assert events[0].file_version == "brain.Event:2"
   assert events[1].step == 7 and events[1].summary.value[0].tag == "train/loss"
   assert events[1].summary.value[0].simple_value == 1.25
+
+
+def test_a_metric_first_written_later_gets_its_column(tmp_path):
+  """auto's rests and selection appear after its first choice: the CSV gains their columns
+  (earlier rows empty there) instead of dropping them, and a resume keeps every column."""
+  import csv
+  writer = MetricsWriter(str(tmp_path))
+  writer.write("auto", 0, {"dense": 1.0, "probe_ms": 5.0})
+  writer.write("auto", 4, {"dense": 1.0, "probe_ms": 5.0, "dense_rest_ms": 30.0})
+  writer.write("auto", 9, {"dense": 0.0, "select_ms": 2.5, "dense_rest_ms": 31.0})
+  writer.close()
+  with open(tmp_path / "auto.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0]) == ["step", "dense", "probe_ms", "dense_rest_ms", "select_ms"]
+  assert [(r["step"], r["dense_rest_ms"], r["select_ms"]) for r in rows] == [
+      ("0", "", ""), ("4", "30.0", ""), ("9", "31.0", "2.5")]
+  resumed = MetricsWriter(str(tmp_path), resume_step=4)  # (rows after step 4 dropped)
+  resumed.close()
+  with open(tmp_path / "auto.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["step"] for r in rows] == ["0", "4"] and "select_ms" in rows[0]

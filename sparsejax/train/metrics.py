@@ -11,7 +11,8 @@ __all__ = ["MetricsWriter"]
 
 
 class MetricsWriter:
-  """`write(split, step, {name: value})` appends to `<workdir>/<split>.csv` and TensorBoard.
+  """`write(split, step, {name: value})` appends to `<workdir>/<split>.csv` and TensorBoard (a
+  name not seen before adds a column: the file is rewritten with it, earlier rows empty there).
 
   On resume (`resume_step`), rows after that step (logged after the last checkpoint by the
   interrupted run) are dropped from the CSV files first, so each step appears once."""
@@ -45,12 +46,28 @@ class MetricsWriter:
     new = split not in self.columns or not os.path.exists(path)
     if new:
       self.columns[split] = list(row)
+    elif any(k not in self.columns[split] for k in row):  # (auto's rests appear after a read)
+      self._widen(split, [k for k in row if k not in self.columns[split]])
     with open(path, "a", newline="") as f:
       w = csv.DictWriter(f, fieldnames=self.columns[split], extrasaction="ignore")
       if new:
         w.writeheader()
       w.writerow(row)
     self.tb.write(step, {f"{split}/{name}": value for name, value in row.items() if name != "step"})
+
+  def _widen(self, split: str, added: list[str]) -> None:
+    """Rewrites `split`'s CSV (aside, then renamed) with `added` columns after its own, empty
+    in the rows written before them."""
+    path = self._path(split)
+    with open(path, newline="") as f:
+      rows = list(csv.DictReader(f))
+    self.columns[split] = [*self.columns[split], *added]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=self.columns[split])
+      w.writeheader()
+      w.writerows(rows)
+    os.replace(tmp, path)
 
   def close(self) -> None:
     self.tb.close()
