@@ -88,6 +88,24 @@ def test_judge_takes_the_fixed_systems_trained_beside_auto_over_the_prediction()
   assert row["auto_over_best"] == pytest.approx(6.3 / 7.0)
 
 
+def test_judge_at_another_target_than_the_references_leaves_ddps_time_out():
+  """A deeper target on the same model and links: the reference's R and DDP's swept step still
+  hold (a step's costs), its times to target do not."""
+  runs = e2e.runs_of(reference(), "auto-0.05")  # median 6.3 s
+  trained = {"dense": [{"seed": s, "steps": 60, "time_s": t, "forms": []}
+                       for s, t in enumerate([6.0, 6.6, 7.3])]}
+  row = e2e.judge(reference(), "unlimited", runs, "auto-0.05", trained, target=4.2)
+  assert "torch-ddp" not in row["fixed_time_s"] and row["ddp_over_auto"] is None
+  assert row["ddp_target_met"] is None and row["exposed_met"]
+  assert row["auto_over_best"] == pytest.approx(6.3 / 6.6) and row["R"] == 0.4
+  assert e2e._ddp(row) == "n/a"
+  with pytest.raises(ValueError, match="target 4.2 is not the reference's 4.55"):
+    e2e.judge(reference(), "unlimited", runs, "auto-0.05", target=4.2)
+  # the reference's own target: DDP judged as before
+  assert e2e.judge(reference(), "unlimited", runs, "auto-0.05", trained,
+                   target=4.55)["ddp_target_met"] is False
+
+
 def test_from_results_rejudges_against_a_moved_reference(tmp_path, capsys):
   ref = tmp_path / "ref.json"
   ref.write_text(json.dumps(reference()))

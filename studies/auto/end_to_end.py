@@ -160,23 +160,30 @@ def _median(values) -> float | None:
 
 
 def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
-          system: str, trained: dict[str, list[dict[str, Any]]] | None = None
-          ) -> dict[str, Any]:
+          system: str, trained: dict[str, list[dict[str, Any]]] | None = None,
+          target: float | None = None) -> dict[str, Any]:
   """One bandwidth's comparison: auto's measured time to target against the fixed systems
   there (those `trained` end to end beside it, measured the same way; the others the
   reference's steps to target x swept step), its exposed exchange against DDP's, and the
-  verdicts."""
+  verdicts. Where the runs' `target` is not the reference's, the reference's times to target
+  (DDP's among them) do not apply: auto is judged against the systems trained beside it, and
+  DDP on its exposed exchange a step alone."""
   analysis = reference["analysis"]
+  same_target = target is None or target == reference["meta"]["target"]
   times = {s: e["predicted_time_to_target_s"].get(bandwidth) for s, e in analysis.items()
-           if s != system and e["predicted_time_to_target_s"].get(bandwidth)}
+           if s != system and e["predicted_time_to_target_s"].get(bandwidth) and same_target}
   measured = {s: [x["time_s"] for x in r] for s, r in (trained or {}).items()}
+  if not measured and not same_target:
+    raise ValueError(f"the runs' target {target} is not the reference's "
+                     f"{reference['meta']['target']}: train the fixed systems beside auto "
+                     "(--fixed) to judge it")
   if measured:  # judged against the systems trained beside it alone (DDP: the reference's)
     times = {s: v for s, v in times.items() if s.startswith("torch")}
   times.update(measured)
   fixed = {s: m for s, v in times.items()  # (a reference system that missed it: not there)
            if not s.startswith("torch") and (m := _median(v)) is not None}
   best = min(fixed, key=lambda s: fixed[s])
-  ddp = _median(times["torch-ddp"])
+  ddp = _median(times["torch-ddp"]) if "torch-ddp" in times else None
   r = reference["exchange_over_compute"].get(bandwidth)
   parity = statistics.median(x["jax_over_torch"] for x in reference["parity"])
   mine = [x["time_s"] for x in runs]
@@ -187,7 +194,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   ddp_steps = [row["step_s"] for row in reference["sweep"]
                if row["system"] == "torch-ddp" and row["bandwidth"] == bandwidth]
   ddp_exposed = [s - torch_compute for s in ddp_steps]
-  over_ddp = ddp / med if med else None
+  over_ddp = ddp / med if med and ddp else None
   need = 1.5 if r >= 2 else (1.0 if r >= 1 else 1.0 / parity)
   spent = [x for x in runs if "measure_s" in x]
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
@@ -205,7 +212,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
           "ddp_over_auto": over_ddp, "ddp_over_auto_needed": need,
           "auto_exposed_s": exposed, "ddp_exposed_s": ddp_exposed,
           "within_1.1_of_best": bool(med and med / fixed[best] <= 1.1),
-          "ddp_target_met": bool(over_ddp and over_ddp >= need),
+          "ddp_target_met": bool(over_ddp and over_ddp >= need) if same_target else None,
           "exposed_met": bool(exposed and max(exposed) <= _median(ddp_exposed))}
 
 
@@ -225,6 +232,10 @@ def paired(runs: list[dict[str, Any]], trained: dict[str, list[dict[str, Any]]]
 
 def _x(ratio: float | None) -> str:
   return "not reached" if ratio is None else f"{ratio:.2f}"
+
+
+def _ddp(row: dict[str, Any]) -> str:
+  return "n/a" if row.get("ddp_target_met", True) is None else _x(row["ddp_over_auto"])
 
 
 def _forms(forms: list[list]) -> str:
@@ -267,7 +278,7 @@ def table(results: dict[str, Any]) -> str:
     lines.append(f"| {row['bandwidth']} | {row['R']:.2g} | {spread(row['auto_time_s'], 1)} | "
                  + " | ".join(cells) + f" | {_x(row['auto_over_best'])} ({row['best_fixed']}) | "
                  f"{spread(row.get('auto_over_best_by_seed', []), 2) or '-'} | "
-                 f"{_x(row['ddp_over_auto'])} ({row['ddp_over_auto_needed']:.2f}) |")
+                 f"{_ddp(row)} ({row['ddp_over_auto_needed']:.2f}) |")
   costs = [row for row in rows if "auto_measure_s" in row]
   if costs:
     lines += ["", "auto's measurements before the target (s: its link and selection probes on "
@@ -309,10 +320,14 @@ def table(results: dict[str, Any]) -> str:
     lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "
               f"{spread(c['observed_s'], 1, 1e3)} | {spread(c['ratios'], 2)} |"
               for bw, f, c in checked]
-  verdicts = {k: all(row[k] for row in rows) for k in
-              ("within_1.1_of_best", "ddp_target_met", "exposed_met")}
-  lines += ["", "Met at every link: " + ", ".join(f"{k}: {'yes' if v else 'no'}"
-                                                  for k, v in verdicts.items()), "", footer(m)]
+  verdicts = {k: None if any(row[k] is None for row in rows) else all(row[k] for row in rows)
+              for k in ("within_1.1_of_best", "ddp_target_met", "exposed_met")}
+  if verdicts["ddp_target_met"] is None:
+    lines += ["", f"DDP's time to target: n/a (the reference's target is {m['reference_target']}, "
+              f"not these runs' {m['target']})."]
+  lines += ["", "Met at every link: " + ", ".join(
+      f"{k}: {'n/a' if v is None else 'yes' if v else 'no'}" for k, v in verdicts.items()),
+      "", footer(m)]
   return "\n".join(lines)
 
 
@@ -348,14 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     for bandwidth in [b.strip() for b in args.bandwidths.split(",")]:
       done = train_at(args.config, [args.system, *fixed], bandwidth, args.seeds, args.sets,
                       sys.stdout)
+      results["meta"].update(target=done["meta"]["target"],
+                             target_metric=tta_analysis.target_metric(done))
       results["runs"][bandwidth] = runs_of(done, args.system)
       results["fixed_runs"][bandwidth] = {s: runs_of(done, s) for s in fixed}
       print(json.dumps({bandwidth: results["runs"][bandwidth]}), flush=True)
+  results["meta"].setdefault("target", reference["meta"]["target"])
+  results["meta"].setdefault("target_metric", tta_analysis.target_metric(reference))
   results["meta"].update(reference=portable_path(args.reference),
-                         target=reference["meta"]["target"],
-                         target_metric=tta_analysis.target_metric(reference))
+                         reference_target=reference["meta"]["target"])
   results["rows"] = [judge(reference, bw, runs, results["meta"]["system"],
-                           results.get("fixed_runs", {}).get(bw))
+                           results.get("fixed_runs", {}).get(bw), results["meta"]["target"])
                      for bw, runs in results["runs"].items()]
   text = table(results)
   print(text)
