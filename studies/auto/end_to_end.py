@@ -256,6 +256,13 @@ def _compiles(row: dict[str, Any]) -> str:
   return "not recorded" if None in compiles else spread(compiles, 2)
 
 
+_RESTED_ON = {
+    "observed": "the form's own steps observed in the run",
+    "modelled": "the other form's steps in the run and the modelled exchanges",
+    "timed": "its step timed on a copy of the state at the first measurement (the controller "
+             "before 2026-12-06)"}
+
+
 def table(results: dict[str, Any]) -> str:
   m = results["meta"]
   rows = results["rows"]
@@ -308,13 +315,11 @@ def table(results: dict[str, Any]) -> str:
   checked = [(row["bandwidth"], f, c) for row in rows
              for f, c in row.get("steps_checked", {}).items()]
   if checked:
+    kinds = sorted({f.split(", ")[-1] for _, f, _ in checked})
     lines += ["", "Each form's step (ms) as auto predicted it at a choice against the step the "
               "run then took in that form (the next choice's observation of it; pairs over "
-              "all seeds), by what the prediction rested on: " + (
-                  "the first measurement's step timed on a copy of the state, or a step observed "
-                  "in the run:" if not any(", modelled" in f for _, f, _ in checked) else
-                  "the other form's steps in the run and the modelled exchanges, or the form's "
-                  "own steps observed in the run:"), "",
+              "all seeds), by what the prediction rested on: "
+              + "; ".join(f"{k}, {_RESTED_ON[k]}" for k in kinds) + ":", "",
               "| link | form, from | pairs | predicted | observed | predicted / observed |",
               "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {bw} | {f} | {len(c['ratios'])} | {spread(c['predicted_s'], 1, 1e3)} | "
