@@ -9,13 +9,23 @@ from studies.time_to_accuracy import limit
 
 
 def test_each_seed_alternates_the_links_and_rotates_the_systems():
-  runs = limit.schedule(["a", "b"], ["dense", "torch-ddp"], "10mbit", 2)
-  assert runs[:3] == [(0, "unlimited", "a", True), (0, "unlimited", "b", True),
-                      (0, "unlimited", "dense", True)]
-  assert runs[3:7] == [(0, "10mbit", s, False) for s in ("a", "b", "dense", "torch-ddp")]
+  runs = limit.schedule(["a", "b"], ["dense", "torch-ddp"], ["10mbit"], 2)
+  # the systems and dense over the whole recipe at the unlimited link, DDP to the target
+  assert runs[:4] == [(0, "unlimited", "a", True), (0, "unlimited", "b", True),
+                      (0, "unlimited", "dense", True), (0, "unlimited", "torch-ddp", False)]
+  assert runs[4:8] == [(0, "10mbit", s, False) for s in ("a", "b", "dense", "torch-ddp")]
   # seed 1: the slow link first, every list turned by one
-  assert runs[7:11] == [(1, "10mbit", s, False) for s in ("b", "dense", "torch-ddp", "a")]
-  assert runs[11:] == [(1, "unlimited", s, True) for s in ("b", "dense", "a")]
+  assert runs[8:12] == [(1, "10mbit", s, False) for s in ("b", "dense", "torch-ddp", "a")]
+  assert runs[12:] == [(1, "unlimited", "b", True), (1, "unlimited", "dense", True),
+                       (1, "unlimited", "torch-ddp", False), (1, "unlimited", "a", True)]
+
+
+def test_the_links_take_turns_between_seeds():
+  runs = limit.schedule(["a"], [], ["1gbit", "10mbit"], 4)
+  firsts = [[link for s, link, _, _ in runs if s == seed] for seed in range(4)]
+  assert firsts == [["unlimited", "1gbit", "10mbit"], ["1gbit", "10mbit", "unlimited"],
+                    ["10mbit", "unlimited", "1gbit"], ["unlimited", "1gbit", "10mbit"]]
+  assert [(r[2], r[3]) for r in runs if r[1] == "unlimited"][:2] == [("a", True), ("dense", True)]
 
 
 def _run(system, seed, link, t, final=None, after=None):
@@ -36,17 +46,18 @@ def test_ratios_are_taken_within_a_seed():
           _run("s", 1, "unlimited", 20.0, final=4.1),
           _run("s", 1, "10mbit", 30.0), _run("dense", 1, "unlimited", 9.0, final=4.0),
           _run("dense", 1, "10mbit", None), _run("torch-ddp", 1, "10mbit", 60.0)]
-  got = limit.analyse({"meta": meta, "runs": runs})["s"]
+  whole = limit.analyse({"meta": meta, "runs": runs})["s"]
+  got = whole["links"]["10mbit"]
   assert got["limit"] == pytest.approx([1.3, 1.5])
   assert got["limit_after_dense"] == pytest.approx([1.2])  # seed 1 has no dense start
   assert got["dense_over"] == pytest.approx([3.0])  # seed 1's dense missed the target
   assert got["torch-ddp_over"] == pytest.approx([2.0, 2.0])
-  assert got["final_vs_dense"] == pytest.approx([100 * -0.04 / 4.04, 100 * 0.1 / 4.0])
+  assert whole["final_vs_dense"] == pytest.approx([100 * -0.04 / 4.04, 100 * 0.1 / 4.0])
   table = limit.make_table({"meta": {**meta, "task": "t", "nodes": 2, "target": 4.5,
                                      "command": "c", "commit": "x", "machine": "m", "cpus": 2,
-                                     "date": "d"}, "runs": runs}, {"s": got})
-  assert ("| s | 10 / 10 / 10 | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | 1.30 / 1.40 / 1.50 |"
-          in table)
+                                     "date": "d"}, "runs": runs}, {"s": whole})
+  assert ("| s | 10mbit | 10 / 10 / 10 | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | "
+          "1.30 / 1.40 / 1.50 |" in table)
   assert "dense seed 1 at 10mbit" in table  # said, not dropped silently
 
 
@@ -55,6 +66,9 @@ def test_a_bad_link_or_system_is_refused_before_any_run(capsys, tmp_path):
   with pytest.raises(SystemExit):
     limit.main(["--link", "unlimited", "--out", out])
   assert "not unlimited" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    limit.main(["--links", "1gbit,unlimited", "--out", out])
+  assert "'1gbit,unlimited'" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     limit.main(["--systems", "torch-ddp", "--out", out])
   assert "PyTorch's go in --baselines" in capsys.readouterr().err
@@ -79,7 +93,7 @@ def test_quick_run_trains_both_links_end_to_end(tmp_path):
     assert (r["final"] is not None) == whole
     if not whole:  # stopped at the target
       assert r["curve"][-1]["step"] == r["reached"]["step"]
-  a = got["analysis"]["hitopk-0.01"]
+  a = got["analysis"]["hitopk-0.01"]["links"]["200mbit"]
   assert len(a["limit"]) == 1 and a["limit"][0] > 0.5
   assert "Command: `python -m studies.time_to_accuracy.limit --quick" in (
       out.with_suffix(".md").read_text())

@@ -1,23 +1,27 @@
-"""The limit ratio: a system's time to the target at a slow link over its time at an unlimited
-link, both trained end to end in the same command (1.0: its exchange costs nothing).
+"""Time to the target at each link, every system trained end to end in one command: the
+figures' runs, and the limit ratio (a system's time at a slow link over its time at an unlimited
+link; 1.0: its exchange costs nothing).
 
   python -m studies.time_to_accuracy.limit --config configs/tta_fmnist_resnet.py \
       --systems hitopk-0.04-mc-mean-w3,hitopk-0.04-mc-mean-w3+experimental.wire=pairs4 \
-      --baselines dense,torch-ddp --link 10mbit --seeds 3 --out $OUT
+      --baselines dense,torch-ddp --links 10mbit --seeds 3 --out $OUT
 
 Each seed trains, on the study's emulated cluster (`studies.time_to_accuracy.run`'s processes,
 one a node):
   at the unlimited link, each of `--systems` and sparsejax dense over the whole recipe (their
-      final metric: the link does not change a fixed system's trajectory, only its time);
-  at `--link`, each of `--systems` and `--baselines` (sparsejax dense, PyTorch DDP) to its first
-      evaluation at the target (stopped there).
-The links alternate in order between seeds, and the systems rotate, so that the machine's drift
-falls on every system alike. Reported per system (min / median / max over the seeds, each a
-ratio within one seed): the limit ratio; the same over the steps after the recipe's dense start
-(from the first evaluation past it), where the recipe has one; each baseline's time at the link
-over the system's; the final metric against dense's. No step time is swept or modelled: every
-time is a run's own clock from its first step to the evaluation that reached the target
-(evaluations not counted).
+      final metric: the link does not change a fixed system's trajectory, only its time), and
+      the other `--baselines` (PyTorch DDP) to the target;
+  at each of `--links`, each of `--systems` and `--baselines` (sparsejax dense, PyTorch DDP) to
+      its first evaluation at the target (stopped there).
+The links take turns in order between seeds, and the systems rotate, so that the machine's
+drift falls on every system alike. Reported per system and link (min / median / max over the
+seeds, each a ratio within one seed): the limit ratio; the same over the steps after the
+recipe's dense start (from the first evaluation past it), where the recipe has one; each
+baseline's time at the link over the system's; the final metric against dense's. No step time
+is swept or modelled: every time is a run's own clock from its first step to the evaluation
+that reached the target (evaluations not counted). With more than one link the command also
+plots each system's and baseline's time to target against the link (`--out`'s .png: every
+point trained end to end).
 """
 
 from __future__ import annotations
@@ -48,19 +52,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 UNLIMITED = "unlimited"
 
 
-def schedule(systems: list[str], baselines: list[str], link: str, seeds: int
+def schedule(systems: list[str], baselines: list[str], links: list[str], seeds: int
              ) -> list[tuple[int, str, str, bool]]:
-  """The runs in order: (seed, link, system, whole recipe?). Seed s takes the links in turn
-  (unlimited first on even seeds) and the systems rotated by s."""
+  """The runs in order: (seed, link, system, whole recipe?). Seed s takes the unlimited link
+  and `links` turned by s (the unlimited link first on seed 0), the systems turned by s."""
   at_unlimited = systems + (["dense"] if "dense" not in systems else [])
+  at_unlimited += [b for b in baselines if b not in at_unlimited]
   at_link = systems + [b for b in baselines if b not in systems]
+  whole = set(systems) | {"dense"}
+  order = [(UNLIMITED, at_unlimited)] + [(link, at_link) for link in links]
   runs = []
   for seed in range(seeds):
-    order = [(UNLIMITED, at_unlimited, True), (link, at_link, False)]
-    for name, names, whole in (order if seed % 2 == 0 else order[::-1]):
-      turn = seed % len(names)
-      runs += [(seed, name, system, whole) for system in names[turn:] + names[:turn]]
+    turn = seed % len(order)
+    for name, names in order[turn:] + order[:turn]:
+      t = seed % len(names)
+      runs += [(seed, name, system, name == UNLIMITED and system in whole)
+               for system in names[t:] + names[:t]]
   return runs
+
+
+def links_of(meta: dict) -> list[str]:
+  """The slow links of a result (one, `link`, in results before --links)."""
+  return meta.get("links") or [meta["link"]]
 
 
 def _range(values: list[float], digits: int = 2, suffix: str = "") -> str:
@@ -70,29 +83,31 @@ def _range(values: list[float], digits: int = 2, suffix: str = "") -> str:
   return " / ".join(f"{x:.{digits}f}{suffix}" for x in (v[0], statistics.median(v), v[-1]))
 
 
-def analyse(results: dict) -> dict[str, dict[str, list[float]]]:
-  """Per system: the limit ratios, the ratios after the dense start, each baseline's time
-  over the system's at the link, and the final metric's difference from dense's (accuracy:
-  points; loss: per cent of dense's), each one value a seed."""
+def analyse(results: dict) -> dict[str, dict[str, Any]]:
+  """Per system: the final metric's difference from dense's (accuracy: points; loss: per cent
+  of dense's), and per slow link the limit ratios, the ratios after the dense start and each
+  baseline's time over the system's at the link; each one value a seed."""
   meta, runs = results["meta"], results["runs"]
-  link = meta["link"]
   by = {(r["system"], r["link"], r["seed"]): r for r in runs}
-  out: dict[str, dict[str, list[float]]] = {}
+  out: dict[str, dict[str, Any]] = {}
   for system in meta["systems"]:
-    s = out.setdefault(system, {"limit": [], "limit_after_dense": [], "final_vs_dense": [],
-                                **{f"{b}_over": [] for b in meta["baselines"]}})
+    s = out.setdefault(system, {"final_vs_dense": [], "links": {}})
+    for link in links_of(meta):
+      at = s["links"].setdefault(link, {"limit": [], "limit_after_dense": [],
+                                        **{f"{b}_over": [] for b in meta["baselines"]}})
+      for seed in range(meta["seeds"]):
+        fast, slow = by.get((system, UNLIMITED, seed)), by.get((system, link, seed))
+        if fast and slow and fast["reached"] and slow["reached"]:
+          at["limit"].append(slow["reached"]["train_time_s"] / fast["reached"]["train_time_s"])
+          if fast.get("after_dense") and slow.get("after_dense"):
+            at["limit_after_dense"].append(slow["after_dense"] / fast["after_dense"])
+        for b in meta["baselines"]:
+          other = by.get((b, link, seed))
+          if slow and other and slow["reached"] and other["reached"]:
+            at[f"{b}_over"].append(other["reached"]["train_time_s"]
+                                   / slow["reached"]["train_time_s"])
     for seed in range(meta["seeds"]):
-      fast, slow = by.get((system, UNLIMITED, seed)), by.get((system, link, seed))
-      if fast and slow and fast["reached"] and slow["reached"]:
-        s["limit"].append(slow["reached"]["train_time_s"] / fast["reached"]["train_time_s"])
-        if fast.get("after_dense") and slow.get("after_dense"):
-          s["limit_after_dense"].append(slow["after_dense"] / fast["after_dense"])
-      for b in meta["baselines"]:
-        other = by.get((b, link, seed))
-        if slow and other and slow["reached"] and other["reached"]:
-          s[f"{b}_over"].append(other["reached"]["train_time_s"]
-                                / slow["reached"]["train_time_s"])
-      dense = by.get(("dense", UNLIMITED, seed))
+      fast, dense = by.get((system, UNLIMITED, seed)), by.get(("dense", UNLIMITED, seed))
       if fast and dense and fast.get("final") is not None and dense.get("final") is not None:
         diff = fast["final"] - dense["final"]
         s["final_vs_dense"].append(100 * diff if meta["target_metric"] == "accuracy"
@@ -100,42 +115,44 @@ def analyse(results: dict) -> dict[str, dict[str, list[float]]]:
   return out
 
 
+def _times(results: dict, system: str, link: str) -> list[float]:
+  return [r["reached"]["train_time_s"] for r in results["runs"]
+          if r["system"] == system and r["link"] == link and r["reached"]]
+
+
 def make_table(results: dict, analysis: dict) -> str:
   meta = results["meta"]
-  link, metric = meta["link"], meta["target_metric"]
-  by_system: dict[tuple[str, str], list[dict]] = {}
-  for r in results["runs"]:
-    by_system.setdefault((r["system"], r["link"]), []).append(r)
+  links, metric = links_of(meta), meta["target_metric"]
+  named = ", ".join(links)
   unit = "points" if metric == "accuracy" else "% of dense's"
-  lines = [f"Limit ratio on {meta['task']}, {meta['nodes']} emulated nodes: time to the target "
-           f"({metric} {meta['target']}) at {link} over the same system's at the unlimited "
-           f"link, both trained end to end (seeds: min / median / max, each a ratio within one "
-           f"seed; evaluations not counted).", "",
-           f"| system | steps to target | time to target s, unlimited | time to target s, {link} "
-           f"| limit ratio | "
-           f"limit ratio after the dense start | "
-           + " | ".join(f"{b} at {link} / system" for b in meta["baselines"])
+  lines = [f"Time to the target ({metric} {meta['target']}) on {meta['task']}, {meta['nodes']} "
+           f"emulated nodes, every system trained end to end at each link (seeds: min / median "
+           f"/ max; ratios each within one seed; evaluations not counted). Limit ratio: the "
+           f"time at {named} over the same system's at the unlimited link.", "",
+           "| system | link | steps to target | time to target s, unlimited | time to target s, "
+           "at the link | limit ratio | limit ratio after the dense start | "
+           + " | ".join(f"{b} / system" for b in meta["baselines"])
            + f" | final {metric} - dense's ({unit}) |",
-           "|---|" + "---:|" * (6 + len(meta["baselines"]))]
-
-  def times(system, name):
-    return [r["reached"]["train_time_s"] for r in by_system.get((system, name), [])
-            if r["reached"]]
-
-  def steps(system):
-    return [r["reached"]["step"] for r in by_system.get((system, UNLIMITED), []) if r["reached"]]
-
+           "|---|---|" + "---:|" * (6 + len(meta["baselines"]))]
   for system, a in analysis.items():
-    lines.append(
-        f"| {system} | {_range(steps(system), 0)} | {_range(times(system, UNLIMITED), 1)} | "
-        f"{_range(times(system, link), 1)}"
-        f" | {_range(a['limit'])} | {_range(a['limit_after_dense'])} | "
-        + " | ".join(_range(a[f"{b}_over"]) for b in meta["baselines"])
-        + f" | {_range(a['final_vs_dense'], 2)} |")
-  lines += ["", f"| baseline | time to target s, {link} |", "|---|---:|"]
-  for b in meta["baselines"]:
-    if b not in analysis:
-      lines.append(f"| {b} | {_range(times(b, link), 1)} |")
+    steps = [r["reached"]["step"] for r in results["runs"]
+             if r["system"] == system and r["link"] == UNLIMITED and r["reached"]]
+    for link in links:
+      at = a["links"][link]
+      lines.append(
+          f"| {system} | {link} | {_range(steps, 0)} | "
+          f"{_range(_times(results, system, UNLIMITED), 1)} | "
+          f"{_range(_times(results, system, link), 1)} | {_range(at['limit'])} | "
+          f"{_range(at['limit_after_dense'])} | "
+          + " | ".join(_range(at[f"{b}_over"]) for b in meta["baselines"])
+          + f" | {_range(a['final_vs_dense'], 2)} |")
+  rest = [b for b in meta["baselines"] if b not in analysis]
+  if rest:
+    lines += ["", "| baseline | " + " | ".join(
+        f"time to target s, {link}" for link in [UNLIMITED, *links]) + " |",
+              "|---|" + "---:|" * (1 + len(links))]
+    lines += [f"| {b} | " + " | ".join(_range(_times(results, b, link), 1)
+                                       for link in [UNLIMITED, *links]) + " |" for b in rest]
   missed = [f"{r['system']} seed {r['seed']} at {r['link']}" for r in results["runs"]
             if not r["reached"]]
   failed = [f"{f['system']} seed {f['seed']} at {f['link']}" for f in results.get("failed", [])]
@@ -144,6 +161,54 @@ def make_table(results: dict, analysis: dict) -> str:
   lines += ["", f"Command: `{meta['command']}`; commit {meta['commit']}; machine: "
             f"{meta['machine']} ({meta['cpus']} cores); date: {meta['date']}."]
   return "\n".join(lines)
+
+
+def plot(results: dict, png: str) -> bool:
+  """Each system's and baseline's time to target (median, min-max bars) against the link, all
+  trained end to end; the unlimited link at the right. False where matplotlib is missing."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  meta = results["meta"]
+  bps = dict(parse_bandwidths(",".join(links_of(meta))))
+  xs = {link: rate / 1e9 for link, rate in bps.items()}
+  xs[UNLIMITED] = max(xs.values()) * 3
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for system in meta["systems"] + [b for b in meta["baselines"] if b not in meta["systems"]]:
+    pts = [(xs[link], sorted(t)) for link in [*links_of(meta), UNLIMITED]
+           if (t := _times(results, system, link))]
+    if not pts:
+      continue
+    x = [p[0] for p in pts]
+    mid = [statistics.median(t) for _, t in pts]
+    err = [[m - t[0] for m, (_, t) in zip(mid, pts)], [t[-1] - m for m, (_, t) in zip(mid, pts)]]
+    ax.errorbar(x, mid, yerr=err, marker="o", capsize=3, label=system)
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("inter-node link, Gbit/s (rightmost: unlimited)")
+  ax.set_ylabel(f"time to {meta['target_metric']} {meta['target']} (s; median, min-max of "
+                f"{meta['seeds']} seeds)")
+  ax.set_title(f"Time to target on {meta['nodes']} emulated nodes: {meta['task']}\n(every "
+               "point trained end to end at its link)", fontsize=10)
+  ax.legend(fontsize=8)
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(png, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def write(out: str, results: dict) -> str:
+  """The analysis into `results`, the JSON and table at `out`, the plot beside them where the
+  run has more than one link; the table's path."""
+  results["analysis"] = analyse(results)
+  md = write_results(out, results, make_table(results, results["analysis"]))
+  if len(links_of(results["meta"])) > 1:
+    plot(results, os.path.splitext(out)[0] + ".png")
+  return md
 
 
 def _row(raw: dict, system: str, seed: int, link: str, whole: bool, config, dense_steps: int
@@ -170,8 +235,10 @@ def main(argv=None) -> int:
   ap.add_argument("--systems", default="hitopk-0.01-mc",
                   help="the systems whose limit is measured (at both links)")
   ap.add_argument("--baselines", default="dense,torch-ddp",
-                  help="trained at --link only, to compare with (empty: none)")
-  ap.add_argument("--link", default="100mbit", help="the slow link")
+                  help="trained at every link to compare with (dense over the whole recipe at "
+                  "the unlimited link; empty: none)")
+  ap.add_argument("--links", "--link", default="100mbit",
+                  help="the slow links, comma-separated (each a rate such as 10mbit)")
   ap.add_argument("--seeds", type=int, default=3)
   ap.add_argument("--run-timeout", type=int, default=1800,
                   help="seconds one process run may take")
@@ -186,14 +253,13 @@ def main(argv=None) -> int:
   if args.from_results:
     with open(args.from_results) as f:
       results = json.load(f)
-    results["analysis"] = analyse(results)
-    print(open(write_results(args.out, results, make_table(results, results["analysis"]))).read())
+    print(open(write(args.out, results)).read())
     return 0
   argv_used = list(sys.argv[1:] if argv is None else argv)
   args.config = os.path.abspath(args.config)
   if args.quick:
     args.sets = QUICK_SETS + args.sets
-    args.systems, args.baselines, args.link, args.seeds = "hitopk-0.01", "dense", "200mbit", 1
+    args.systems, args.baselines, args.links, args.seeds = "hitopk-0.01", "dense", "200mbit", 1
   systems = [s.strip() for s in args.systems.split(",") if s.strip()]
   baselines = [s.strip() for s in args.baselines.split(",") if s.strip()]
   if not systems:
@@ -206,9 +272,11 @@ def main(argv=None) -> int:
     if any(system_spec(s)[0] != "jax" for s in systems):
       raise ValueError(f"--systems are sparsejax systems (PyTorch's go in --baselines), got "
                        f"{args.systems!r}")
-    (link, bps), = parse_bandwidths(args.link)
-    if bps is None:
-      raise ValueError("--link is the slow link: a rate such as 10mbit, not unlimited")
+    links = parse_bandwidths(args.links)
+    if not links or any(bps is None for _, bps in links):
+      raise ValueError(f"--links are the slow links: rates such as 10mbit, not unlimited (the "
+                       f"unlimited link is always run), got {args.links!r}")
+    rates = dict(links)
     config = load_task(args.config, args.sets)
     check_mesh(config)
   except ValueError as e:
@@ -220,16 +288,16 @@ def main(argv=None) -> int:
   results: dict[str, Any] = {"meta": {
       "task": f"{config.model.name} on {config.data.name}", "target": config.target_value,
       "target_metric": config.target_metric, "config": portable_path(args.config),
-      "sets": args.sets, "systems": systems, "baselines": baselines, "link": link,
+      "sets": args.sets, "systems": systems, "baselines": baselines, "links": list(rates),
       "seeds": args.seeds, "nodes": config.mesh.nodes, "local": config.mesh.local,
       "machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
       "commit": git_commit(), "command": command_line(MODULE, argv_used)}, "runs": []}
   partial = os.path.splitext(args.out)[0] + ".partial.json"
   with cluster.EmulatedCluster(config.mesh.nodes, None,
                                prefix=f"lim{uuid.uuid4().hex[:6]}") as c:
-    for seed, name, system, whole in schedule(systems, baselines, link, args.seeds):
+    for seed, name, system, whole in schedule(systems, baselines, list(rates), args.seeds):
       cfg = load_task(args.config, args.sets, system, seed)
-      rate = None if name == UNLIMITED else bps
+      rate = None if name == UNLIMITED else rates[name]
       extra = ["--seed", str(seed), "--bandwidths", "[]", "--headline", json.dumps(rate),
                "--levels", "[]", "--cluster-prefix", c.prefix, "--warmup", "0", "--reps", "1"]
       if not whole:
@@ -245,8 +313,7 @@ def main(argv=None) -> int:
       print(json.dumps({k: row[k] for k in ("system", "seed", "link", "reached", "final")}),
             flush=True)
       write_results(partial, results, "partial: not analysed yet")
-  results["analysis"] = analyse(results)
-  md = write_results(args.out, results, make_table(results, results["analysis"]))
+  md = write(args.out, results)
   for leftover in (partial, os.path.splitext(partial)[0] + ".md"):
     if os.path.exists(leftover):
       os.remove(leftover)
