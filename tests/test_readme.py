@@ -121,3 +121,40 @@ def test_readme_quickstart_runs_as_written(tmp_path, monkeypatch):
   assert cli.main(argv + ["--no-progress"]) == 0
   summary = json.loads((tmp_path / "quickstart" / "summary.json").read_text())
   assert summary["final_eval"]["accuracy"] >= 0.95, summary["final_eval"]
+
+
+def _pages() -> list[pathlib.Path]:
+  return sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *ROOT.glob("docs/*.md"),
+                 *ROOT.glob("studies/*/README.md"), *ROOT.glob("benchmarks/README.md"),
+                 *ROOT.glob("configs/README.md")])
+
+
+def test_every_relative_link_of_the_docs_names_a_file_of_the_checkout():
+  """A result file that leaves the tree takes the links to it along (README, docs/, the studies'
+  and benchmarks' READMEs): a link to a file that is gone fails here."""
+  assert len(_pages()) > 10
+  broken = []
+  for page in _pages():
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue  # a web address or an anchor of the page itself
+      path = (page.parent / target.split("#")[0]).resolve()
+      if not path.exists():
+        broken.append(f"{page.relative_to(ROOT)}: {target}")
+  assert not broken, "links to files not in the checkout:\n" + "\n".join(broken)
+
+
+def test_every_result_file_the_docs_name_is_in_the_checkout():
+  """`results/<name>.md` (or .json, .png) in backticks names a result file beside the page, at
+  the root, or in a study's or the benchmarks' folder: the name must still be there."""
+  folders = [ROOT, *ROOT.glob("studies/*"), ROOT / "benchmarks"]
+  named, gone = 0, []
+  for page in _pages():
+    if page.name == "CHANGELOG.md":
+      continue  # history: names what has since left the tree
+    for name in re.findall(r"`([\w./-]*results/[\w./-]+\.(?:md|json|png))`", page.read_text()):
+      named += 1
+      if not any((folder / name).exists() for folder in [page.parent, *folders]):
+        gone.append(f"{page.relative_to(ROOT)}: {name}")
+  assert named > 20
+  assert not gone, "result files the docs name that are not in the checkout:\n" + "\n".join(gone)
