@@ -101,6 +101,46 @@ def test_a_new_input_size_moves_each_form_s_rest_by_the_read_form_s_change():
   assert auto.moved({"dense": 0.040}, "dense", 0.050) == {"dense": 0.050, "sparse": 0.050}
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_form_s_rest_is_the_step_weighted_median_of_its_windows(seed):
+  """Against numpy: the lower median of every step's rest (each window's repeated its steps)."""
+  rng = np.random.default_rng(seed)
+  rests = rng.uniform(0.01, 0.9, size=rng.integers(1, 13))
+  steps = rng.integers(1, 71, size=rests.size)
+  want = np.sort(np.repeat(rests, steps))[(steps.sum() - 1) // 2]
+  assert auto.rest_of(list(zip(rests.tolist(), steps.tolist()))) == want
+  # one stalled window of 3 steps beside a long one does not move it
+  assert auto.rest_of([(0.5, 20), (5.0, 3)]) == 0.5
+  with pytest.raises(ValueError, match="at least one window"):
+    auto.rest_of([])
+  with pytest.raises(ValueError, match="at least 1 step"):
+    auto.rest_of([(0.5, 0)])
+
+
+@pytest.mark.integration
+def test_one_stalled_window_does_not_move_the_form_s_rest(tmp_path, monkeypatch):
+  """The windows read 20 steps at 0.5 s, then 3 steps at 5 s (the machine stalled): the rest
+  stays the first window's and the log says it is a median. (The windows' times replaced by
+  fixed ones: a stall cannot be made to happen.)"""
+  windows = iter([(0.5, 20)] + [(5.0, 3)] * 9)
+  real = auto.AutoExchange._observe
+
+  def observe(self, step, state):
+    got = real(self, step, state)
+    return None if got is None else (got[0], *next(windows))
+  monkeypatch.setattr(auto.AutoExchange, "_observe", observe)
+  link = auto.Link(1e-4, math.inf)
+  monkeypatch.setattr(auto.controller, "probe_link", lambda *a, **k: (link, link, 0.0))
+  summary = train_and_evaluate(auto_config(**{
+      "auto.schedule": tuple((s / STEPS_PER_EPOCH, "measured") for s in (0, 4, 8, 12, 16)),
+      "compression.warmup_epochs": 0.0, "num_epochs": 2.0}), str(tmp_path), progress=False)
+  read = [c for c in summary["exchange_choices"] if c.get("measured_step_ms")]
+  assert [round(c["measured_step_ms"]) for c in read][:2] == [500, 5000], read
+  rests = [c["dense_rest_ms"] for c in read]
+  assert len(rests) >= 3 and rests[1:] == pytest.approx(rests[:1] * (len(rests) - 1)), read
+  assert "its rest the median of 2 windows here" in read[1]["how"], read[1]
+
+
 def test_the_step_factor_is_a_quantile_of_the_measured_factors():
   """Against numpy's quantile on fresh factors; the default pool's median, 0.75 and extremes;
   a quantile outside [0, 1] named."""

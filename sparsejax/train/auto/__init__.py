@@ -51,12 +51,13 @@ from sparsejax.train.auto.model import (
                                         moved,
                                         predict,
                                         probe_interval,
+                                        rest_of,
                                         step_factor,
                                         switch_s,
 )
 from sparsejax.train.auto.probes import large_probe_size
 
-__all__ = ["Link", "fit_link", "exchange_s", "predict", "moved",
+__all__ = ["Link", "fit_link", "exchange_s", "predict", "moved", "rest_of",
            "fit_in_steps", "faster", "large_probe_size", "lag_steps", "step_factor",
            "STEP_FACTORS", "choose", "switch_s", "probe_interval", "measuring", "AutoExchange",
            "describe", "FORMS"]

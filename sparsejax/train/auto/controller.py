@@ -29,6 +29,7 @@ from sparsejax.train.auto.model import (
   moved,
   predict,
   probe_interval,
+  rest_of,
   step_factor,
   switch_s,
 )
@@ -77,6 +78,7 @@ class AutoExchange:
     # needed (`_probe_select`)
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self._rest: dict[str, float] = {}  # each form's rest at this input size, read from the run
+    self._reads: dict[str, list[tuple[float, int]]] = {}  # ... each window's: (rest, steps)
     self._before: dict[str, float] | None = None  # the rests at the old size, after a resize
     self._read_forms: set[str] = set()  # the forms whose rest the run gave at this size
     self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
@@ -200,6 +202,7 @@ class AutoExchange:
     if before is None or before == self._shape:
       return
     self._before = dict(self._rest)  # (`_rest` stands until the first read at the new size)
+    self._reads = {}
     self._read_forms = set()
     self._ran = set()
     self._compiled_before = self._compiled or self._compiled_before
@@ -298,14 +301,17 @@ class AutoExchange:
       if form == "sparse":
         self._probe_select()  # (its steps hold the selection: the rest is what is left)
       read = fit_in_steps(read, {form: step_s}, lambda at: self._exchange(at, density))
-      rest = step_s - self._exchange(read, density)[form]
+      reads = self._reads.setdefault(form, [])
+      reads.append((step_s - self._exchange(read, density)[form], count))
+      rest = rest_of(reads)  # (one stalled window does not move it)
       if self._before is not None:  # the first read at a new input size
         self._rest = moved(self._before, form, rest)
         self._before = None
       else:
         self._rest[form] = rest
       how = f"observed over {count} steps" + (
-          f" at density {density:.3g}" if density not in (1.0, self.compression.density) else "")
+          f" at density {density:.3g}" if density not in (1.0, self.compression.density) else ""
+      ) + (f", its rest the median of {len(reads)} windows here" if len(reads) > 1 else "")
     else:
       probe_s, switch, wall = slowest([probe_s, switch, wall])
     self.spent_s += wall

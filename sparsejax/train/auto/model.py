@@ -28,8 +28,8 @@ import numpy as np
 from sparsejax import comm, cost
 
 __all__ = ["FORMS", "STEP_FACTORS", "Link", "fit_link", "exchange_s", "predict",
-           "moved", "step_factor", "lag_steps", "choose", "switch_s", "probe_interval", "measuring",
-           "faster", "fit_in_steps", "other_form"]
+           "moved", "rest_of", "step_factor", "lag_steps", "choose", "switch_s",
+           "probe_interval", "measuring", "faster", "fit_in_steps", "other_form"]
 
 FORMS = ("dense", "sparse")
 
@@ -88,6 +88,23 @@ def moved(before: dict[str, float], form: str, rest_s: float) -> dict[str, float
   the selection work on the parameters); a form not read at the old size gets `form`'s."""
   change = rest_s - before.get(form, rest_s)
   return {f: rest_s if f == form or f not in before else before[f] + change for f in FORMS}
+
+
+def rest_of(reads: Sequence[tuple[float, int]]) -> float:
+  """A form's rest at this input size from every window of its steps read there, each (its
+  rest in seconds, its steps): their median weighted by steps (the lower one), so that one
+  window the machine stalled in (3 steps read 2x their neighbours on this shared machine) does
+  not move the prediction, and a long window counts for its steps."""
+  if not reads:
+    raise ValueError("rest_of needs at least one window (rest seconds, steps), got none")
+  if any(n < 1 for _, n in reads):
+    raise ValueError(f"each window holds at least 1 step, got {list(reads)}")
+  total, acc = sum(n for _, n in reads), 0
+  for rest, n in sorted(reads):
+    acc += n
+    if 2 * acc >= total:
+      return rest
+  raise AssertionError("unreachable")
 
 
 # The sparse form's steps to the target over sparsejax dense's (F), per seed, as measured: every
