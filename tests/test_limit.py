@@ -22,7 +22,7 @@ def test_each_seed_alternates_the_links_and_rotates_the_systems():
 
 def test_the_links_take_turns_between_seeds():
   runs = limit.schedule(["a"], [], ["1gbit", "10mbit"], 4)
-  firsts = [[link for s, link, _, _ in runs if s == seed] for seed in range(4)]
+  firsts = [list(dict.fromkeys(link for s, link, _, _ in runs if s == seed)) for seed in range(4)]
   assert firsts == [["unlimited", "1gbit", "10mbit"], ["1gbit", "10mbit", "unlimited"],
                     ["10mbit", "unlimited", "1gbit"], ["unlimited", "1gbit", "10mbit"]]
   assert [(r[2], r[3]) for r in runs if r[1] == "unlimited"][:2] == [("a", True), ("dense", True)]
