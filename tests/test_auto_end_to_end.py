@@ -49,6 +49,7 @@ def test_runs_of_reads_time_steps_and_changes_of_form():
   assert [r["steps"] for r in runs] == [50, 50, 75]
   assert [r["time_s"] for r in runs] == [6.1, 6.3, 9.4]
   assert runs[0]["forms"] == [(0, "dense"), (20, "sparse")]
+  assert runs[2]["clock"] == [[25, 3.1], [50, 6.0], [75, 9.4]]  # to the target
 
 
 def test_judge_slow_link_against_best_fixed_and_ddp():

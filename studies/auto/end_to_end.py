@@ -72,7 +72,8 @@ def train_at(config: str, systems: list[str], bandwidth: str, seeds: int, sets: 
 
 def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
   """Per seed of `system` in a study's results: measured steps and train time to the target,
-  and the forms auto ran (step, form) where it changed (none for a fixed system)."""
+  the forms auto ran (step, form) where it changed (none for a fixed system), and the clock at
+  each evaluation (step, train seconds) to the target."""
   metric, target = tta_analysis.target_metric(results), results["meta"]["target"]
   out = []
   for r in results.get("train", []):
@@ -91,7 +92,10 @@ def runs_of(results: dict[str, Any], system: str) -> list[dict[str, Any]]:
                 "measure_s": sum(c["measure_ms"] for c in measured) / 1e3,
                 "first_measure_s": measured[0]["measure_ms"] / 1e3 if measured else 0.0,
                 "compile_s": switch_compiles_s(r["programs"], hit and hit["step"])
-                if "programs" in r else None})
+                if "programs" in r else None,
+                # (step, train seconds) at each evaluation to the target: each stretch's step
+                "clock": [[c["step"], round(c["train_time_s"], 3)] for c in r["curve"]
+                          if hit is None or c["step"] <= hit["step"]]})
   return out
 
 
