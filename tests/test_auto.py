@@ -138,7 +138,39 @@ def test_one_stalled_window_does_not_move_the_form_s_rest(tmp_path, monkeypatch)
   assert [round(c["measured_step_ms"]) for c in read][:2] == [500, 5000], read
   rests = [c["dense_rest_ms"] for c in read]
   assert len(rests) >= 3 and rests[1:] == pytest.approx(rests[:1] * (len(rests) - 1)), read
-  assert "its rest the median of 2 windows here" in read[1]["how"], read[1]
+  assert "its rest the median of 2 windows at this level here" in read[1]["how"], read[1]
+
+
+@pytest.mark.integration
+def test_the_rest_is_read_at_the_level_in_force(tmp_path, monkeypatch):
+  """The sparse form's windows at the density warm-up's levels read 1 s a step, at the final
+  level 0.2 s: from the first window at the final level its rest is that level's (the same at
+  every later choice), not the median with the long warm-up windows, whose modelled exchange
+  errs otherwise. (Windows' times replaced by fixed ones; F set below 1: sparse throughout.)"""
+  final = {}
+  real = auto.AutoExchange._observe
+
+  def observe(self, step, state):
+    got = real(self, step, state)
+    final.setdefault("level", self.sparse_level(self.total_steps - 1))
+    if got is None:
+      return None
+    return got[0], (0.2 if got[0] == final["level"] else 1.0), got[2]
+  monkeypatch.setattr(auto.AutoExchange, "_observe", observe)
+  link = auto.Link(1e-4, 1e8)
+  monkeypatch.setattr(auto.controller, "probe_link", lambda *a, **k: (link, link, 0.0))
+  summary = train_and_evaluate(auto_config(**{
+      "auto.schedule": tuple((s / STEPS_PER_EPOCH, "measured") for s in range(0, 44, 4)),
+      "auto.step_factor": 0.5, "compression.warmup_epochs": 2.0, "num_epochs": 4.0}),
+      str(tmp_path), progress=False)
+  read = [c for c in summary["exchange_choices"] if c.get("measured") == "sparse"]
+  slow = [c for c in read if c["measured_step_ms"] > 500]
+  fast = [c for c in read if c["measured_step_ms"] < 500]
+  assert slow and len(fast) >= 2, summary["exchange_choices"]
+  assert all(c["form"] == "sparse" for c in summary["exchange_choices"][1:])
+  rests = [c["sparse_rest_ms"] for c in fast]
+  assert rests == pytest.approx(rests[:1] * len(rests)), fast
+  assert rests[0] < slow[-1]["sparse_rest_ms"], (fast, slow)
 
 
 def test_the_step_factor_is_a_quantile_of_the_measured_factors():

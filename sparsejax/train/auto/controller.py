@@ -78,7 +78,9 @@ class AutoExchange:
     # needed (`_probe_select`)
     self._link: Link | None = None  # the last fit with a large probe (sizes the next one)
     self._rest: dict[str, float] = {}  # each form's rest at this input size, read from the run
-    self._reads: dict[str, list[tuple[float, int]]] = {}  # ... each window's: (rest, steps)
+    # ... each window's (rest, steps) by (form, level): a window at a warm-up level reads its
+    # rest through that level's modelled exchange, whose error is not the final level's
+    self._reads: dict[tuple[str, int], list[tuple[float, int]]] = {}
     self._before: dict[str, float] | None = None  # the rests at the old size, after a resize
     self._read_forms: set[str] = set()  # the forms whose rest the run gave at this size
     self._shape: tuple | None = None  # the input's shape (progressive resizing changes it)
@@ -301,9 +303,9 @@ class AutoExchange:
       if form == "sparse":
         self._probe_select()  # (its steps hold the selection: the rest is what is left)
       read = fit_in_steps(read, {form: step_s}, lambda at: self._exchange(at, density))
-      reads = self._reads.setdefault(form, [])
+      reads = self._reads.setdefault((form, level), [])
       reads.append((step_s - self._exchange(read, density)[form], count))
-      rest = rest_of(reads)  # (one stalled window does not move it)
+      rest = rest_of(reads)  # (the windows at this level: one stalled window does not move it)
       if self._before is not None:  # the first read at a new input size
         self._rest = moved(self._before, form, rest)
         self._before = None
@@ -311,7 +313,8 @@ class AutoExchange:
         self._rest[form] = rest
       how = f"observed over {count} steps" + (
           f" at density {density:.3g}" if density not in (1.0, self.compression.density) else ""
-      ) + (f", its rest the median of {len(reads)} windows here" if len(reads) > 1 else "")
+      ) + (f", its rest the median of {len(reads)} windows at this level here"
+           if len(reads) > 1 else "")
     else:
       probe_s, switch, wall = slowest([probe_s, switch, wall])
     self.spent_s += wall
