@@ -253,3 +253,14 @@ def test_switch_compiles_are_the_programs_of_a_form_auto_did_not_start_a_size_in
   assert e2e.switch_compiles_s(programs, None) == pytest.approx(2.0 + 2.5 + 4.0)
   assert e2e.switch_compiles_s(programs, 50) == pytest.approx(2.0 + 2.5)  # (the target at 50)
   assert e2e.switch_compiles_s(programs[::-1], 10) == pytest.approx(2.0)  # (in any order)
+
+
+def test_at_same_step_divides_the_clocks_at_the_last_evaluation_both_reached():
+  runs = [{"seed": 0, "clock": [[25, 3.0], [50, 6.1]]},
+          {"seed": 1, "clock": [[25, 2.9], [50, 5.9], [75, 9.0], [100, 12.4]]},
+          {"seed": 2}]  # (a result from before the clock was kept)
+  mates = [{"seed": 1, "clock": [[25, 2.0], [50, 4.4], [75, 6.0]]},
+           {"seed": 0, "clock": [[25, 2.5], [50, 5.0], [75, 7.5]]},
+           {"seed": 2, "clock": [[25, 2.0]]}]
+  assert e2e.at_same_step(runs, mates) == pytest.approx([6.1 / 5.0, 9.0 / 6.0])
+  assert e2e.at_same_step(runs, []) == []

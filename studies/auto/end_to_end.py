@@ -203,6 +203,7 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   spent = [x for x in runs if "measure_s" in x]
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
           "auto_over_best_by_seed": paired(runs, trained or {}),
+          "auto_at_step_over": {s: at_same_step(runs, r) for s, r in (trained or {}).items()},
           **({"auto_measure_s": [x["measure_s"] for x in spent],
               "auto_first_measure_s": [x["first_measure_s"] for x in spent],
               "auto_compile_s": [x.get("compile_s") for x in spent],
@@ -234,6 +235,21 @@ def paired(runs: list[dict[str, Any]], trained: dict[str, list[dict[str, Any]]]
   return out
 
 
+def at_same_step(runs: list[dict[str, Any]], mates: list[dict[str, Any]]) -> list[float]:
+  """Seed by seed, auto's clock over a fixed system's (`mates`: its runs beside auto) at the
+  last evaluation both reached: each step's cost alone, whatever steps either took to the
+  target (auto's measurements on its clock; seeds whose runs lack a clock left out)."""
+  out = []
+  for run in runs:
+    mine = dict(map(tuple, run.get("clock") or []))
+    for x in mates:
+      theirs = dict(map(tuple, x.get("clock") or []))
+      common = sorted(set(mine) & set(theirs)) if x["seed"] == run["seed"] else []
+      if common and theirs[common[-1]]:
+        out.append(mine[common[-1]] / theirs[common[-1]])
+  return out
+
+
 def _x(ratio: float | None) -> str:
   return "not reached" if ratio is None else f"{ratio:.2f}"
 
@@ -253,6 +269,11 @@ def _shares(row: dict[str, Any]) -> list[float]:
   compiles = row.get("auto_compile_s") or [None] * len(row["auto_measure_s"])
   return [(m + (c or 0.0)) / (t + (c or 0.0))
           for m, c, t in zip(row["auto_measure_s"], compiles, row["auto_time_s"]) if t]
+
+
+def _at_step(row: dict[str, Any]) -> str:
+  over = {s: v for s, v in row.get("auto_at_step_over", {}).items() if v}
+  return "; ".join(f"{s} {spread(v, 2)}" for s, v in sorted(over.items())) or "-"
 
 
 def _compiles(row: dict[str, Any]) -> str:
@@ -293,20 +314,25 @@ def table(results: dict[str, Any]) -> str:
   costs = [row for row in rows if "auto_measure_s" in row]
   if costs:
     lines += ["", "auto's measurements before the target (s: its link and selection probes on "
-              "the clock, their first compilation included; 3 seeds min / median / max), what "
-              "its switches compiled (the programs of a form other than the one it started an "
+              f"the clock, their first compilation included; {m['seeds']} seeds min / median / "
+              "max), what its switches compiled (the programs of a form other than the one it "
+              "started an "
               "input size in: every system's programs are compiled before the clock, each "
               "timed, and a user's run compiles these at the switch), both as a share of its "
               "run with those compiles added, the first measurement alone, and auto's time over "
               "the fastest fixed system by seed with the measurements left out (what auto costs "
-              "once measured: its choices):", "",
+              "once measured: its choices), and its clock over each fixed system's at the last "
+              "evaluation both reached, by seed (each step's cost, measurements included, "
+              "whatever steps either took to the target):", "",
               "| link | measurements s | switch compiles s | share of the run % | the first s "
-              "| by seed without them |",
-              "|---|---:|---:|---:|---:|---:|"]
+              "| by seed without them | by seed at the same step |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {row['bandwidth']} | {spread(row['auto_measure_s'], 2)} | {_compiles(row)} | "
               f"{spread(_shares(row), 1, 100)} | "
               f"{spread(row['auto_first_measure_s'], 2)} | "
-              f"{spread(row['auto_over_best_by_seed_unmeasured'], 2) or '-'} |" for row in costs]
+              f"{spread(row['auto_over_best_by_seed_unmeasured'], 2) or '-'} | "
+              f"{_at_step(row)} |"
+              for row in costs]
   lines += ["", "Exposed exchange per step (ms; auto: its mean step to the target, warm-up "
             "and probes included, minus the JAX compute-only step; DDP: its swept step minus "
             "PyTorch's), auto's steps to target and its forms (seed 0's):", "",
