@@ -20,7 +20,8 @@ def test_a_quote_that_no_longer_matches_is_caught(tmp_path):
   """A rerun that moves the numbers (dense's times x 1.5 in a copy of the MLP's result file)
   formats a quote the README does not hold."""
   import json
-  quote = figures.QUOTES[0]
+  quote = next(q for q in figures.QUOTES if q.source.endswith("/time_to_accuracy.json")
+               and "sooner than sparsejax dense" in q.text)
   results = quote.load()
   for link, times in results["analysis"]["dense"]["predicted_time_to_target_s"].items():
     results["analysis"]["dense"]["predicted_time_to_target_s"][link] = [t * 1.5 for t in times]

@@ -178,8 +178,8 @@ def plot(results: dict, png: str) -> bool:
   xs[UNLIMITED] = max(xs.values()) * 3
   fig, ax = plt.subplots(figsize=(8, 5))
   for system in meta["systems"] + [b for b in meta["baselines"] if b not in meta["systems"]]:
-    pts = [(xs[link], sorted(t)) for link in [*links_of(meta), UNLIMITED]
-           if (t := _times(results, system, link))]
+    pts = sorted((xs[link], sorted(t)) for link in [*links_of(meta), UNLIMITED]
+                 if (t := _times(results, system, link)))  # (by the link: one line)
     if not pts:
       continue
     x = [p[0] for p in pts]
@@ -188,7 +188,10 @@ def plot(results: dict, png: str) -> bool:
     ax.errorbar(x, mid, yerr=err, marker="o", capsize=3, label=system)
   ax.set_xscale("log")
   ax.set_yscale("log")
-  ax.set_xlabel("inter-node link, Gbit/s (rightmost: unlimited)")
+  ticks = sorted(xs.items(), key=lambda kv: kv[1])
+  ax.set_xticks([x for _, x in ticks], [name for name, _ in ticks])
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+  ax.set_xlabel("inter-node link")
   ax.set_ylabel(f"time to {meta['target_metric']} {meta['target']} (s; median, min-max of "
                 f"{meta['seeds']} seeds)")
   ax.set_title(f"Time to target on {meta['nodes']} emulated nodes: {meta['task']}\n(every "
