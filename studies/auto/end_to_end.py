@@ -241,12 +241,11 @@ def at_same_step(runs: list[dict[str, Any]], mates: list[dict[str, Any]]) -> lis
   target (auto's measurements on its clock; seeds whose runs lack a clock left out)."""
   out = []
   for run in runs:
-    mine = dict(map(tuple, run.get("clock") or []))
-    for x in mates:
-      theirs = dict(map(tuple, x.get("clock") or []))
-      common = sorted(set(mine) & set(theirs)) if x["seed"] == run["seed"] else []
-      if common and theirs[common[-1]]:
-        out.append(mine[common[-1]] / theirs[common[-1]])
+    mate = next((x for x in mates if x["seed"] == run["seed"]), {})
+    mine, theirs = (dict(map(tuple, r.get("clock") or [])) for r in (run, mate))
+    last = max(set(mine) & set(theirs), default=None)
+    if last is not None and theirs[last]:
+      out.append(mine[last] / theirs[last])
   return out
 
 
