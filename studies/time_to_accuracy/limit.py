@@ -115,6 +115,24 @@ def analyse(results: dict) -> dict[str, dict[str, Any]]:
   return out
 
 
+def dense_step_over_unlimited(results: dict) -> dict[str, list[float]]:
+  """Per slow link, by seed: dense's mean step to the target at the link over its mean step at
+  the unlimited link, as trained in this run (how slow the link makes the dense exchange, read
+  end to end rather than from swept step times). Empty lists where the run has no dense
+  baseline."""
+  by = {(r["link"], r["seed"]): r["reached"] for r in results["runs"]
+        if r["system"] == "dense" and r["reached"]}
+  out: dict[str, list[float]] = {}
+  for link in links_of(results["meta"]):
+    out[link] = []
+    for seed in range(results["meta"]["seeds"]):
+      fast, slow = by.get((UNLIMITED, seed)), by.get((link, seed))
+      if fast and slow:
+        out[link].append((slow["train_time_s"] / slow["step"])
+                         / (fast["train_time_s"] / fast["step"]))
+  return out
+
+
 def _times(results: dict, system: str, link: str) -> list[float]:
   return [r["reached"]["train_time_s"] for r in results["runs"]
           if r["system"] == system and r["link"] == link and r["reached"]]
@@ -153,6 +171,11 @@ def make_table(results: dict, analysis: dict) -> str:
               "|---|" + "---:|" * (1 + len(links))]
     lines += [f"| {b} | " + " | ".join(_range(_times(results, b, link), 1)
                                        for link in [UNLIMITED, *links]) + " |" for b in rest]
+  slowdown = dense_step_over_unlimited(results)
+  if any(slowdown.values()):
+    lines += ["", "Dense's mean step to the target at each link over its mean step at the "
+              "unlimited link (seeds min / median / max): " + "; ".join(
+                  f"{link} {_range(slowdown[link])}" for link in links) + "."]
   missed = [f"{r['system']} seed {r['seed']} at {r['link']}" for r in results["runs"]
             if not r["reached"]]
   failed = [f"{f['system']} seed {f['seed']} at {f['link']}" for f in results.get("failed", [])]
@@ -208,6 +231,7 @@ def write(out: str, results: dict) -> str:
   """The analysis into `results`, the JSON and table at `out`, the plot beside them where the
   run has more than one link; the table's path."""
   results["analysis"] = analyse(results)
+  results["dense_step_over_unlimited"] = dense_step_over_unlimited(results)
   md = write_results(out, results, make_table(results, results["analysis"]))
   if len(links_of(results["meta"])) > 1:
     plot(results, os.path.splitext(out)[0] + ".png")
