@@ -224,6 +224,13 @@ QUOTES: tuple[Quote, ...] = (
     _auto("{0:.2f}x (MNIST, 500 Mbit/s).", "mnist_500mbit"),
     Quote(HEADLINE, "{0:.2f}x HiTopKComm's at 50 Mbit/s (5 seeds, by seed {1:.2f}-{2:.2f})",
           AUTO + "pydocs_long_50mbit.json", _auto_by_seed, "trained end to end"),
+    Quote(HEADLINE, "unlimited link {0:.2f}x the faster of dense and HiTopKComm on the ResNet-20 "
+          "task (by seed {1:.2f}-{2:.2f}", AUTO + "cnn_unlimited.json", _auto_by_seed,
+          "trained end to end"),
+    Quote(HEADLINE, "{0:.2f}x on the KJV Transformer at 50 Mbit/s (by seed {1:.2f}-{2:.2f}",
+          AUTO + "kjv_50mbit.json", _auto_by_seed, "trained end to end"),
+    Quote(HEADLINE, "and {0:.2f}x HiTopKComm's at 10 Mbit/s (by seed {1:.2f}-{2:.2f})",
+          AUTO + "mnist_resnet_10mbit.json", _auto_by_seed, "trained end to end"),
     Quote(HEADLINE, "{0:.2f}x on ResNet-20 on real MNIST at the unlimited link",
           AUTO + "mnist_resnet_unlimited.json", _auto_over_best, "trained end to end"),
     Quote(HEADLINE, "its dense-form steps {0:.2f}-{1:.2f}x plain dense's, its clock at the same "

@@ -59,6 +59,24 @@ def test_ratios_are_taken_within_a_seed():
   assert ("| s | 10mbit | 10 / 10 / 10 | 10.0 / 15.0 / 20.0 | 13.0 / 21.5 / 30.0 | "
           "1.30 / 1.40 / 1.50 |" in table)
   assert "dense seed 1 at 10mbit" in table  # said, not dropped silently
+  # dense's step at the link over its unlimited step, within a seed (seed 1 missed at the link)
+  assert limit.dense_step_over_unlimited({"meta": meta, "runs": runs}) == {
+      "10mbit": pytest.approx([39.0 / 9.0])}
+  assert "10mbit 4.33 / 4.33 / 4.33" in table
+
+
+def test_dense_step_over_unlimited_divides_steps_not_times():
+  meta = {"systems": ["s"], "baselines": ["dense"], "links": ["1gbit", "10mbit"], "seeds": 1}
+  runs = [{"system": "dense", "seed": 0, "link": link, "reached": {"step": step, "train_time_s": t}}
+          for link, step, t in (("unlimited", 120, 6.0), ("1gbit", 144, 18.0),
+                                ("10mbit", 96, 48.0))]
+  runs.append({"system": "s", "seed": 0, "link": "10mbit",
+               "reached": {"step": 7, "train_time_s": 1.0}})
+  got = limit.dense_step_over_unlimited({"meta": meta, "runs": runs})
+  assert got == {"1gbit": pytest.approx([(18 / 144) / (6 / 120)]),
+                 "10mbit": pytest.approx([(48 / 96) / (6 / 120)])}
+  assert limit.dense_step_over_unlimited({"meta": {**meta, "baselines": []}, "runs": runs[3:]}) \
+      == {"1gbit": [], "10mbit": []}
 
 
 def test_a_bad_link_or_system_is_refused_before_any_run(capsys, tmp_path):
