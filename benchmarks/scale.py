@@ -20,7 +20,14 @@ that work out of the exchange and makes the exchange wait on the link:
   apply     local work again: the scatter into the dense sum, the residual (`scatter_pairs`,
             `gtopk_settle`);
   full      the library's whole exchange in one program (`comm.settle`), which exchange + apply
-            should match.
+            should match;
+  transform the public transform, `topk_allreduce(density, algorithm=...)`'s update in one
+            program: select + full, as a user's step runs it.
+
+After the timed calls every node checks the transform's result once: its update equal on every
+node (a checksum against node 0's) and the mass kept (over the nodes, the gradient plus the
+residual before minus the residual after equals the sum of what arrived, each projected on one
+random vector), recorded as `checks`.
 
 The buffer has the real model's size (ResNet-50, 25,557,032 float32) and a gradient-like
 distribution: ResNet-50's 161 tensors (in order), each Gaussian at its own scale 10**U(-3, 0);
@@ -57,6 +64,7 @@ from benchmarks.exchange import SIZES
 from sparsejax.bench import (
   command_line,
   footer,
+  git_commit,
   json_path,
   launch_workers,
   spread,
@@ -70,7 +78,7 @@ ALGORITHMS = ("allgather", "gtopk", "dense")
 # gTop-k's network part in pieces (`--algorithms` names them; not in the default): its merge
 # rounds alone (`comm.gtopk_positions`) and the psum of the k sums alone
 PARTS = ("gtopk-merge", "psum-k")
-PHASES = ("select", "exchange", "apply", "full")
+PHASES = ("select", "exchange", "apply", "full", "transform")
 QUICK = {"nodes": "2,3", "rate": "100mbit", "runs": 1, "reps": 2, "size": "tiny",
          "density": 0.01, "dense_fraction": 1}
 
@@ -104,12 +112,13 @@ def _cpu_idle_jiffies() -> tuple[int, int]:
   return fields[3] + fields[4], sum(fields)
 
 
-def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, Any]]:
+def _programs(n: int, k: int, n_dense: int, density: float, mesh, spec
+              ) -> dict[str, dict[str, Any]]:
   """algorithm -> phase -> jitted program over the (nodes, 1) mesh."""
   import jax
   from jax import lax
 
-  from sparsejax import comm, topk
+  from sparsejax import comm, compress, topk
   from sparsejax.feedback import Feedback
   from sparsejax.train.mesh import WORKERS
 
@@ -127,18 +136,28 @@ def _programs(n: int, k: int, n_dense: int, mesh, spec) -> dict[str, dict[str, A
       return total, kept.residual
     return smap(run)
 
+  def transform(name):  # the public optax transform: select + exchange + settle, one program
+    tx = compress.topk_allreduce(density, algorithm=name, axis_name=WORKERS)
+
+    def run(g, r):
+      state = tx.init(g)
+      state = state._replace(feedback=state.feedback._replace(residual=r))
+      updates, state = tx.update(g, state)
+      return updates, state.feedback.residual
+    return smap(run)
+
   return {
       "allgather": {
           "select": smap(select),
           "exchange": smap(lambda v, i: comm.gather_pairs(v, i, WORKERS)),
           "apply": smap(lambda av, ai: comm.scatter_pairs(av, ai, n)),
-          "full": full("allgather")},
+          "full": full("allgather"), "transform": transform("allgather")},
       "gtopk": {
           "select": smap(select),
           "exchange": smap(lambda v, i: comm.gtopk_sums(v, i, n, WORKERS)),
           "apply": smap(lambda v, i, r, pos, sums: (lambda t, f: (t, f.residual))(
               *comm.gtopk_settle(v, i, Feedback(r), pos, sums, n, False))),
-          "full": full("gtopk")},
+          "full": full("gtopk"), "transform": transform("gtopk")},
       "dense": {"exchange": smap(lambda x: lax.psum(x, WORKERS)), "n": n_dense},
       "gtopk-merge": {"select": smap(select),
                       "exchange": smap(lambda v, i: comm.gtopk_positions(v, i, n, WORKERS))},
@@ -182,7 +201,43 @@ def _time_call(name: str, progs: dict, x, r, x_dense, barrier, args, x_k=None
   t = time.perf_counter()
   jax.block_until_ready(progs["full"](v, i, kept))
   rec["full"] = time.perf_counter() - t
+  barrier()
+  t = time.perf_counter()
+  jax.block_until_ready(progs["transform"](x, r))
+  rec["transform"] = time.perf_counter() - t
   return rec
+
+
+def _checks(progs: dict, x, r, nodes: int, chunk: int = 1 << 20) -> list[float]:
+  """This node's part of the transform's checks, from one call (the residual before it: `r`):
+  [its update on a random vector w, the same in absolute terms (sum |u w|), what left this node
+  (gradient + residual before - residual after) on a random vector z, the same in absolute
+  terms, what arrived (nodes x the update, the mean) on z]; `judge_checks` compares them over
+  the nodes. Projected a chunk at a time in float64 (a whole buffer of float64 vectors per
+  process would not fit 16 processes' memory at ResNet-50's size)."""
+  import jax
+  updates, residual = jax.block_until_ready(progs["transform"](x, r))
+  u, after = (np.asarray(a.addressable_data(0)) for a in (updates, residual))
+  g, before = (np.asarray(a.addressable_data(0)) for a in (x, r))
+  rng = np.random.default_rng(12345)  # the same vectors on every node
+  out = np.zeros(5)
+  for lo in range(0, u.shape[0], chunk):
+    w, z = rng.standard_normal((2, min(chunk, u.shape[0] - lo)))
+    part = slice(lo, lo + w.shape[0])
+    uu = u[part].astype(np.float64)
+    sent = g[part].astype(np.float64) + before[part] - after[part]
+    out += [uu @ w, np.abs(uu * w).sum(), sent @ z, np.abs(sent * z).sum(), nodes * (uu @ z)]
+  return out.tolist()
+
+
+def judge_checks(per_node: list[list[float]]) -> dict[str, float]:
+  """The checks over the nodes (rows from `_checks`): the largest difference of a node's update
+  projection from node 0's, relative to node 0's absolute sum; the gap between the mass that
+  left the nodes and what arrived (node 0's view), relative to the absolute mass that left. A
+  NaN anywhere stays NaN."""
+  a = np.asarray(per_node, np.float64)
+  return {"update_rel_diff": float(np.max(np.abs(a[:, 0] - a[0, 0])) / max(a[0, 1], 1e-30)),
+          "mass_rel_gap": float(abs(a[:, 2].sum() - a[0, 4]) / max(a[:, 3].sum(), 1e-30))}
 
 
 def run_worker(args) -> None:
@@ -211,7 +266,7 @@ def run_worker(args) -> None:
   sync = jax.jit(jax.shard_map(lambda t: jax.lax.psum(t, WORKERS), mesh=mesh, in_specs=spec,
                                out_specs=P(), check_vma=False))
   barrier = lambda: jax.block_until_ready(sync(token))  # noqa: E731
-  programs = _programs(n, k, n_dense, mesh, spec)
+  programs = _programs(n, k, n_dense, args.density, mesh, spec)
   names = args.algorithms.split(",")
   mine: dict[str, list[dict]] = {name: [] for name in names}
   for call in range(args.warmup + args.reps):  # the algorithms take turns, call by call
@@ -219,6 +274,9 @@ def run_worker(args) -> None:
       rec = _time_call(name, programs[name], x, r, x_dense, barrier, args, x_k)
       if call >= args.warmup:
         mine[name].append(rec)
+  checks = {name: np.asarray(multihost_utils.process_allgather(np.asarray(
+      _checks(programs[name], x, r, nodes), np.float64)))
+      for name in names if "transform" in programs[name]}
   # every node's records to rank 0 (one array of numbers per algorithm and field)
   gathered = {}
   for name, rows in mine.items():
@@ -229,7 +287,8 @@ def run_worker(args) -> None:
     out = [{"algorithm": name, "field": field, "per_node": vals.tolist()}
            for (name, field), vals in gathered.items()]
     with open(args.worker_out, "w") as f:
-      json.dump({"nodes": nodes, "n": n, "k": k, "n_dense": n_dense, "records": out}, f)
+      json.dump({"nodes": nodes, "n": n, "k": k, "n_dense": n_dense, "records": out,
+                 "checks": {name: judge_checks(v.tolist()) for name, v in checks.items()}}, f)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -306,18 +365,20 @@ def analyse(results: dict) -> list[dict]:
       rate = results["meta"]["rate_bps"]
       row["link_busy"] = [b * 8 / rate / t for b, t in
                           zip(row["node0_link_bytes"], row["exchange_s"])] if rate else None
+      row["checks"] = [r.get("checks", {}).get(algorithm) for r in mine]
       rows.append(row)
   return rows
 
 
-def speedups(rows: list[dict], over: str = "allgather", of: str = "gtopk") -> dict[int, list]:
-  """nodes -> per-run exchange-time ratios over/of (run i against run i)."""
+def speedups(rows: list[dict], over: str = "allgather", of: str = "gtopk",
+             phase: str = "exchange") -> dict[int, list]:
+  """nodes -> per-run `phase`-time ratios over/of (run i against run i)."""
   by = {(r["nodes"], r["algorithm"]): r for r in rows}
   out = {}
   for nodes in sorted({r["nodes"] for r in rows}):
     a, b = by.get((nodes, over)), by.get((nodes, of))
     if a and b:
-      out[nodes] = [x / y for x, y in zip(a["exchange_s"], b["exchange_s"]) if x and y]
+      out[nodes] = [x / y for x, y in zip(a[phase + "_s"], b[phase + "_s"]) if x and y]
   return out
 
 
@@ -364,22 +425,49 @@ def make_tables(results: dict, rows: list[dict]) -> str:
     lines.append(f"| {r['nodes']} | {r['algorithm']} | {spread(r['machine_idle'], 0, 100)}% | "
                  f"{spread(r['cpu_share'], 0, 100)}% | "
                  f"{spread(r['link_busy'], 0, 100) if r['link_busy'] else '-'}% |")
+  timed = any(v is not None for r in rows for v in r.get("transform_s", []))
   lines += ["", f"A step on this cluster (seconds, median run): the compute wait "
             f"({m['compute_ms']} ms) + select + exchange + apply; `full` is the library's whole "
-            "exchange (exchange + apply) in one program. select and apply are local work that "
+            "exchange (exchange + apply) in one program" + (
+                "; `transform` the public transform (select + full) in one program" if timed
+                else "") + ". select and apply are local work that "
             "every node runs at the same time, on this machine's 2 cores: past 2 nodes they are "
             "timed under nodes/2-fold contention (a real node runs its own; the 2-node rows are "
             "the uncontended figures):", "",
-            "| nodes | algorithm | select | exchange | apply | full | step |",
-            "|---:|---|---:|---:|---:|---:|---:|"]
+            "| nodes | algorithm | select | exchange | apply | full | " + (
+                "transform | " if timed else "") + "step |",
+            "|---:|---|---:|---:|---:|---:|" + ("---:|" if timed else "") + "---:|"]
   for r in rows:
     if r["algorithm"] == "dense" or r["algorithm"] in PARTS:
       continue
-    med = {p: statistics.median(v for v in r[p + "_s"] if v is not None) for p in PHASES}
+    med = {p: statistics.median(v for v in r[p + "_s"] if v is not None)
+           if any(v is not None for v in r[p + "_s"]) else float("nan") for p in PHASES}
     step = m["compute_ms"] / 1e3 + med["select"] + med["exchange"] + med["apply"]
     lines.append(f"| {r['nodes']} | {r['algorithm']} | {med['select']:.3f} | "
-                 f"{med['exchange']:.3f} | {med['apply']:.3f} | {med['full']:.3f} | "
-                 f"{step:.3f} |")
+                 f"{med['exchange']:.3f} | {med['apply']:.3f} | {med['full']:.3f} | " + (
+                     f"{med['transform']:.3f} | " if timed else "") + f"{step:.3f} |")
+  whole = {phase: speedups(rows, phase=phase) for phase in ("full", "transform")}
+  if timed and any(whole["transform"].values()):
+    lines += ["", "gTop-k over TopK all-gather as the library runs it (per run, min / median / "
+              "max): `full`, the whole exchange in one program; `transform`, the public "
+              "transform (select included, under the same contention):", "",
+              "| nodes | full | transform |", "|---:|---:|---:|"]
+    for nodes in sorted(whole["transform"]):
+      ups = [whole[p].get(nodes, []) for p in ("full", "transform")]
+      lines.append("| " + " | ".join([str(nodes)] + [f"{spread(u)}x" if u else "-"
+                                                       for u in ups]) + " |")
+  checked = [(r["nodes"], r["algorithm"], c) for r in rows for c in r.get("checks") or [] if c]
+  if checked:
+    worst = {}
+    for nodes, algorithm, c in checked:  # (np.max: a NaN in any run shows)
+      worst.setdefault((nodes, algorithm), []).append([c["update_rel_diff"], c["mass_rel_gap"]])
+    worst = {key: np.max(np.asarray(v), axis=0) for key, v in worst.items()}
+    lines += ["", "The transform's result, checked once a run (worst over runs): its update's "
+              "relative difference from node 0's, and the gap between the mass that left the "
+              "nodes (gradient + residual before - residual after) and what arrived (the "
+              "update x nodes), each on a random projection:", "",
+              "| nodes | algorithm | update rel. diff | mass rel. gap |", "|---:|---|---:|---:|"]
+    lines += [f"| {n} | {a} | {w[0]:.1e} | {w[1]:.1e} |" for (n, a), w in sorted(worst.items())]
   lines += ["", footer(m)]
   return "\n".join(lines)
 
@@ -478,7 +566,7 @@ def drive(ap, args, argv: list[str]) -> int:
   if n < 2:
     ap.error(f"--size must be one of {', '.join(sorted(SIZES))} or a count >= 2, "
              f"got {args.size!r}")
-  meta = {"size": args.size, "n": n, "k": max(1, round(args.density * n)),
+  meta = {"commit": git_commit(), "size": args.size, "n": n, "k": max(1, round(args.density * n)),
           "n_dense": n // args.dense_fraction, "density": args.density,
           "dense_fraction": args.dense_fraction, "rate": args.rate, "rate_bps": args.rate_bps,
           "runs": args.runs, "reps": args.reps, "compute_ms": args.compute_ms,

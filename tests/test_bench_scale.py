@@ -44,6 +44,11 @@ def test_quick_run_measures_every_algorithm_on_2_and_3_nodes(quick):
                                               local=1)["inter"]
     if algorithm != "dense":
       assert r["select_s"][0] > 0 and r["apply_s"][0] > 0 and r["full_s"][0] > 0
+      assert r["transform_s"][0] > 0
+      # the public transform: the same update on every node, and nothing lost or made up
+      (check,) = r["checks"]
+      assert check["update_rel_diff"] < 1e-6, (p, algorithm, check)
+      assert check["mass_rel_gap"] < 1e-4, (p, algorithm, check)
   # every node recorded every call: per-node arrays of --reps values
   rec = got["runs"][1]["records"][0]
   assert np.asarray(rec["per_node"]).shape == (3, got["meta"]["reps"])
@@ -79,3 +84,15 @@ def test_the_committed_results_analyse_again(tmp_path):
   assert node_scaling.main(["--out", str(ns)]) == 0
   cal = json.loads(ns.read_text())["calibration"]
   assert cal["held_out_max_abs_error"] <= 0.20
+
+
+def test_judge_checks_against_hand_values():
+  """Rows (one a node): [update on w, its absolute sum, what left on z, its absolute sum, what
+  arrived on z (node 0's view)]."""
+  assert bench_scale.judge_checks([[2.0, 4.0, 1.0, 2.0, 3.0], [2.0, 4.0, 2.0, 2.0, 3.0]]) == {
+      "update_rel_diff": 0.0, "mass_rel_gap": 0.0}
+  got = bench_scale.judge_checks([[2.0, 4.0, 1.0, 2.0, 3.4], [2.4, 4.0, 2.0, 2.0, 3.0]])
+  assert got["update_rel_diff"] == pytest.approx(0.1)
+  assert got["mass_rel_gap"] == pytest.approx(0.1)
+  got = bench_scale.judge_checks([[2.0, 4.0, 1.0, 2.0, 3.0], [float("nan"), 4.0, 2.0, 2.0, 3.0]])
+  assert np.isnan(got["update_rel_diff"])  # a NaN on any node is not hidden
