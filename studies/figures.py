@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks.scale import speedups
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTA = "studies/time_to_accuracy/results/"
 WS = "studies/worker_scaling/results/"
@@ -99,16 +101,18 @@ def _speedup_median(slower: str, faster: str, link: str) -> Callable:
   return values
 
 
-def _gtopk_over_allgather(j):
-  rows = {r["algorithm"]: r for r in j["analysis"]}
-  ratios = [a / g for a, g in zip(rows["allgather"]["exchange_s"], rows["gtopk"]["exchange_s"])]
-  return min(ratios), max(ratios)
+def _gtopk_over_allgather(phase: str = "exchange") -> Callable:
+  """A scale benchmark's TopK all-gather time of `phase` over gTop-k's, run by run: (min, max)."""
+  def values(j):
+    (ratios,) = speedups(j["analysis"], phase=phase).values()  # (one node count a file)
+    return min(ratios), max(ratios)
+  return values
 
 
-def _phase_ratios(j, phase: str) -> list[float]:
-  """A scale benchmark's TopK all-gather over gTop-k time of `phase`, run by run."""
-  rows = {r["algorithm"]: r for r in j["analysis"]}
-  return [a / g for a, g in zip(rows["allgather"][phase + "_s"], rows["gtopk"][phase + "_s"])]
+def _dense_slowdown(*links: str) -> Callable:
+  """A limit file's dense step at each of `links` over its unlimited step (median of seeds)."""
+  return lambda j: tuple(statistics.median(j["dense_step_over_unlimited"][link])
+                         for link in links)
 
 
 def _at_link(link: str) -> Callable:
@@ -192,12 +196,10 @@ QUOTES: tuple[Quote, ...] = (
           _trained_over("torch-ddp", "hitopk-0.001-mc"), "trained end to end"),
     Quote("README.md", "(2 Gbit/s to 200 Mbit/s, where dense's step is {0:.1f}-{1:.0f}x its "
           "unlimited one)", TTA + "time_to_target_mlp.json",
-          lambda j: tuple(statistics.median(j["dense_step_over_unlimited"][link])
-                          for link in ("2gbit", "200mbit")), "trained end to end"),
+          _dense_slowdown("2gbit", "200mbit"), "trained end to end"),
     Quote("README.md", "Transformer LM (KJV; 100 and 50 Mbit/s, where dense's step is {0:.1f}x "
           "and {1:.1f}x its unlimited one)", LM,
-          lambda j: tuple(statistics.median(j["dense_step_over_unlimited"][link])
-                          for link in LM_LINKS), "trained end to end"),
+          _dense_slowdown(*LM_LINKS), "trained end to end"),
     Quote("README.md", "HiTopKComm 0.05 reaches the target {0:.2f}x and {1:.2f}x sooner than "
           "dense and {2:.2f}x and {3:.2f}x sooner than DDP", LM,
           lambda j: (*_trained_medians("dense", "hitopk-0.05", LM_LINKS)(j),
@@ -250,16 +252,16 @@ QUOTES: tuple[Quote, ...] = (
           "step over dense's", AUTO + "mnist_resnet_unlimited.json", _at_step_over("dense"),
           "trained end to end"),
     Quote("README.md", "at 16 nodes: {0:.2f}-{1:.2f}x faster",
-          "benchmarks/results/bench_scale_16.json", _gtopk_over_allgather,
+          "benchmarks/results/bench_scale_16.json", _gtopk_over_allgather(),
           "benchmark"),
     Quote("README.md", "the public transform, selection included, {0:.2f}-{1:.2f}x",
           "benchmarks/results/bench_scale_16.json",
-          lambda j: (min(v := _phase_ratios(j, "transform")), max(v)), "benchmark"),
+          _gtopk_over_allgather("transform"), "benchmark"),
     Quote(HEADLINE, "(`full`) is {0:.2f}-{1:.2f}x faster and the public transform "
           "`topk_allreduce` in one program (selection included) {2:.2f}-{3:.2f}x",
           "benchmarks/results/bench_scale_16.json",
-          lambda j: (min(f := _phase_ratios(j, "full")), max(f),
-                     min(t := _phase_ratios(j, "transform")), max(t)), "benchmark"),
+          lambda j: (*_gtopk_over_allgather("full")(j), *_gtopk_over_allgather("transform")(j)),
+          "benchmark"),
     Quote("README.md", "gTop-k without warm-up {0:.2f}x sooner than the fastest all-gather at "
           "5 Mbit/s", WS + "at_nodes_fmnist_emulated.json", _at_link("5mbit"), "modelled"),
     Quote("README.md", "{0:.2f}x at 100 Mbit/s", WS + "at_nodes_fmnist_emulated.json",
@@ -342,8 +344,7 @@ QUOTES: tuple[Quote, ...] = (
           "HiTopKComm at density 0.05 reaches the target {2:.2f}x and {3:.2f}x sooner than "
           "sparsejax dense and {4:.2f}x and {5:.2f}x sooner than PyTorch DDP (medians; by seed "
           "{6:.2f}-{7:.2f}x and {8:.2f}-{9:.2f}x)", LM,
-          lambda j: (*(statistics.median(j["dense_step_over_unlimited"][link])
-                       for link in LM_LINKS),
+          lambda j: (*_dense_slowdown(*LM_LINKS)(j),
                      *_trained_medians("dense", "hitopk-0.05", LM_LINKS)(j),
                      *_trained_medians("torch-ddp", "hitopk-0.05", LM_LINKS)(j),
                      *_trained_over("dense", "hitopk-0.05")(j),
