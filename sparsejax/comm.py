@@ -49,7 +49,8 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "topk_allgather",
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
            "gtopk_sums", "merge_top", "gtopk_settle", "gather_pairs", "scatter_pairs",
-           "settle", "settle_dense", "dense_parties", "gather_dense", "dense_form", "wire_bytes",
+           "settle", "settle_dense", "settle_dense_kept", "dense_sum",
+           "dense_parties", "gather_dense", "dense_form", "wire_bytes",
            "axis_size", "axis_names",
            "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
@@ -223,6 +224,51 @@ def settle_dense(collective: SparseCollective, part: jax.Array) -> jax.Array:
   the hierarchical ones (`part` is the worker's shard of its node's sum, as `scatter` gave it).
   Its bytes are `wire_bytes(dense_form(collective.name), ...)`."""
   return gather_dense(collective, lax.psum(part, dense_parties(collective)))
+
+
+def settle_dense_kept(collective: SparseCollective, part: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+  """`settle_dense` in the collective's wire: `(total, kept)`. In pairs8 the values cross as
+  float32 and nothing is kept (zeros); in pairs4 they cross the dense parties as bfloat16
+  (`dense_sum`) and `kept` (part's length) is what the rounding took off this worker's values
+  and, where it owns the sum, the sum's: the total plus every worker's `kept` is the sum of the
+  parts. Its bytes are `wire_bytes(dense_form(collective.name), ..., wire=collective.wire)`."""
+  summed, kept = dense_sum(part, dense_parties(collective), collective.wire)
+  return gather_dense(collective, summed), kept
+
+
+def dense_sum(x: jax.Array, parties: tuple[str, ...], wire: str = "pairs8"
+              ) -> tuple[jax.Array, jax.Array]:
+  """The sum of 1-D float32 `x` over `parties` and what this worker keeps of it: `(sum, kept)`.
+
+  pairs8: one float32 all-reduce, nothing kept (zeros). pairs4: the values on the wire as
+  bfloat16, summed exactly in float32: each worker rounds its `x` (keeping the error), sends
+  chunk j of the rounded values to worker j (an all-to-all), worker j sums its chunk in float32,
+  rounds the sum (keeping that error at the chunk's positions) and the rounded chunks are
+  all-gathered: 4 (G-1)/G bytes a value per worker against float32's ring all-reduce's 8 (G-1)/G,
+  and `sum + kept summed over the parties` is the sum of `x` (each rounding error stays with
+  the worker that made it, to be sent next step). Over one worker, `(x, 0)`."""
+  size = axis_size(parties)
+  if wire_lib.check_wire(wire) == "pairs8":
+    return lax.psum(x, parties), jnp.zeros_like(x)
+  n = _check_1d(x, "dense_sum")
+  if size == 1:
+    return x, jnp.zeros_like(x)
+  sent, kept = wire_lib.round_values(x)
+  chunk = -(-n // size)
+  # (on the wire as uint16 bits: XLA:CPU carries a bfloat16 collective as float32)
+  bits = lambda v: lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16)  # noqa: E731
+  value = lambda b: lax.bitcast_convert_type(b, jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+  rows = jnp.pad(bits(sent), (0, chunk * size - n)).reshape(size, chunk)
+  mine = lax.all_to_all(rows, parties, 0, 0)  # row i: worker i's values of my chunk
+  exact = value(mine).sum(0)
+  rounded, error = wire_lib.round_values(exact)
+  owner = lax.axis_index(parties) * chunk
+  kept = jnp.pad(kept, (0, chunk * size - n))
+  kept = lax.dynamic_update_slice(kept, lax.dynamic_slice(kept, (owner,), (chunk,)) + error,
+                                  (owner,))
+  total = value(_all_gather(bits(rounded), parties, size))
+  return total[:n], kept[:n]
 
 
 def dense_parties(collective: SparseCollective) -> tuple[str, ...]:
@@ -613,7 +659,8 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
   all-reduce of k values: worker 0's bytes (with P even and not a power of two an extra worker
   sends a little more: the fold's k pairs and the wasted swaps of `_swap`). `wire`: the pairs'
   format (`sparsejax.wire.bytes_per_worker`: pairs8, 8 bytes a pair; pairs4, 4 bytes a pair and
-  a count per 2^16-position block of the buffer the indices point into).
+  a count per 2^16-position block of the buffer the indices point into), and for the dense
+  forms (dense, hierarchical) the values' across their parties (`dense_sum`: pairs4, bfloat16).
 
   Returns:
     `{"inter": bytes, "intra": bytes}`.
@@ -631,11 +678,12 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
   p, value_bytes, index_bytes = nodes * local, 4, 4
   length = n // local if algorithm in HIERARCHICAL_ALGORITHMS else n
   piece = sum(wire_lib.bytes_per_worker(wire, k, length))  # one worker's pairs
+  summed_bytes = 2 if wire == "pairs4" else value_bytes  # the dense forms' (`dense_sum`)
   if algorithm == "dense":
-    add(p, nodes > 1, 2 * (p - 1) / p * n * value_bytes)
+    add(p, nodes > 1, 2 * (p - 1) / p * n * summed_bytes)
   elif algorithm == "hierarchical":
     add(local, False, (local - 1) / local * n * value_bytes)
-    add(nodes, True, 2 * (nodes - 1) / nodes * n / local * value_bytes)
+    add(nodes, True, 2 * (nodes - 1) / nodes * n / local * summed_bytes)
     add(local, False, (local - 1) / local * n * value_bytes)
   elif algorithm == "allgather":
     add(p, nodes > 1, (p - 1) * piece)

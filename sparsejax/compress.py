@@ -132,10 +132,11 @@ def density_schedule(density: float, schedule: Callable | None = None,
   else `density_levels(density)`, each step's `schedule(count)` rounded up to one of them (DGC's
   warm-up: start dense and decay to `density`); shapes stay static, each level compiles once.
   `dense_form`: also offer the exchange's dense form (level `len(levels)`: every candidate
-  all-reduced, the residual emptied, the correction's state made the workers' mean) and its
+  summed, the residual emptied, the correction's state made the workers' mean) and its
   steady step (level `len(levels) + 1`, for a step after a dense-form step: the gradient
-  all-reduced first and the correction run on the mean, as plain dense runs its optimizer; the
-  residual, empty, not touched)."""
+  summed first and the correction run on the mean, as plain dense runs its optimizer; the
+  residual, empty, not touched). In pairs4 both keep their bfloat16 roundings in the residual
+  (the steady step with a correction sums float32: `_steady`)."""
   if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
     raise ValueError(f"density must be a number in (0, 1], got {density!r}")
   if schedule is not None and not callable(schedule):
@@ -322,7 +323,7 @@ def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
 
 def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
                 levels: tuple[float, ...], nodes: int, local: int,
-                whole: SendWhole | None) -> jax.Array:
+                whole: SendWhole | None, steady_wire: str = "pairs8") -> jax.Array:
   """float32[len(levels) + 2]: a worker's bytes sent at each level (with `whole`, its
   positions' all-reduce too), and in the dense form and its steady step."""
   algorithm = collective.name
@@ -330,9 +331,11 @@ def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
   extra = 0.0 if whole is None else whole.bytes(n, nodes, local, hierarchical)
   sent = [comm.wire_bytes(algorithm, n=n, k=max(1, round(lv * part_len)), nodes=nodes,
                           local=local, wire=collective.wire) for lv in levels]
-  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
+  dense, steady = (comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local,
+                                   wire=w) for w in (collective.wire, steady_wire))
   return jnp.asarray([s["inter"] + s["intra"] + extra for s in sent]
-                     + [dense["inter"] + dense["intra"]] * 2, jnp.float32)
+                     + [dense["inter"] + dense["intra"], steady["inter"] + steady["intra"]],
+                     jnp.float32)
 
 
 def _check_pieces(collective: Any, levels: Any, feedback: Any, balance: Any,
@@ -402,7 +405,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     index = levels.index(state.count, density_level)
     density = jnp.asarray(levels.levels + (1.0, 1.0), jnp.float32)[index]
     sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
-                       whole)[index]
+                       whole, _steady_wire(collective, feedback))[index]
 
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
@@ -453,7 +456,8 @@ class _Pieces(NamedTuple):
 def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | None,
           layout: FlatLayout, local: int) -> tuple[jax.Array, Feedback]:
   """The candidates `term + memory.residual` sent at `level`: `(total, what is kept)`. The
-  dense form (None) sums every candidate and empties the residual; a level selects its k once
+  dense form (None) sums every candidate and empties the residual (in pairs4 it keeps what
+  the values' rounding to bfloat16 took off: `comm.settle_dense_kept`); a level selects its k once
   (weighted with `balance`), masks the velocity where sent (with momentum masking; a reduction
   masks where it sent), sums the pairs over the workers, then sends the `whole` positions."""
   collective, part_len = pieces.collective, term.shape[0]
@@ -472,12 +476,18 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
     if pieces.whole is not None:
       total, memory = pieces.whole.send(collective, total, memory, local, masking)
     return total, memory
-  total = comm.settle_dense(collective, term + memory.residual)
+  total, kept = comm.settle_dense_kept(collective, term + memory.residual)
   parties = comm.dense_parties(collective)  # (the correction's state: their mean from here)
   return total, memory._replace(
-      residual=jnp.zeros_like(memory.residual),
+      residual=kept,
       velocity=None if memory.velocity is None else lax.pmean(memory.velocity, parties),
       second=None if memory.second is None else lax.pmean(memory.second, parties))
+
+
+def _steady_wire(collective: comm.SparseCollective, feedback: ErrorFeedback | None) -> str:
+  """The wire of the dense form's steady step: the collective's without a correction, else
+  pairs8 (float32: see `_steady`)."""
+  return collective.wire if feedback is None or feedback.correction is None else "pairs8"
 
 
 def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array,
@@ -485,12 +495,21 @@ def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array
   """The dense form's steady step: `part` summed over the parties first, then the correction
   run on one party's share of the sum (the parties' mean) and the result scaled back to a sum:
   momentum or Adam on the mean gradient, as plain dense runs its optimizer, and with the
-  parties' states equal (a dense-form step made them the mean) they stay equal. The residual is
-  empty after a dense-form step and is not touched; no pass over it."""
+  parties' states equal (a dense-form step made them the mean) they stay equal. In pairs8 the
+  residual is empty after a dense-form step and is not touched (no pass over it). In pairs4
+  without a correction the residual holds the last rounding errors (gradient and candidate
+  are one), sent with `part` (`comm.dense_sum`) and replaced by this step's; with a correction
+  the sum stays float32 (the residual holds candidates, the correction's units, and a
+  gradient's rounding error would have no place in it: `_steady_wire`)."""
   collective = pieces.collective
   parties = comm.dense_parties(collective)
   count_parties = comm.axis_size(parties)
-  share = lax.psum(part, parties) / count_parties
+  if _steady_wire(collective, pieces.feedback) == "pairs8":
+    summed = lax.psum(part, parties)
+  else:
+    summed, kept = comm.dense_sum(part + memory.residual, parties, collective.wire)
+    memory = memory._replace(residual=kept)
+  share = summed / count_parties
   term, memory = pieces.feedback.candidates(share, memory, count, scale)
   return comm.gather_dense(collective, term * count_parties), memory
 

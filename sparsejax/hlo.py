@@ -43,24 +43,33 @@ def num_kernels(compiled: Any) -> int:
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _COLLECTIVE = re.compile(
-    r"=\s*(\w+)\[([\d,]*)\][^\s]*\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\(.*?replica_groups=(\{\{[\d,{} ]*\}\}|\[[^\]]*\]<=\[\d+\])")
+    r"=\s*(\([^()]*\)|\w+\[[\d,]*\][^\s]*)\s+(all-gather|all-reduce|reduce-scatter|"
+    r"all-to-all|collective-permute)(?:-start)?\(.*?"
+    r"replica_groups=(\{\{[\d,{} ]*\}\}|\[[^\]]*\]<=\[\d+\])")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def collectives(compiled: Any) -> list[dict[str, Any]]:
   """The collectives of a compiled program (all-gather, all-reduce, reduce-scatter,
   all-to-all, collective-permute), each as `{"op", "dtype", "elements", "bytes", "group"}`:
-  its result's element type, element count and bytes, and the size of its replica groups (0
-  where the text gives none)."""
+  its result's element type, element count and bytes (a tuple result's, as XLA:CPU gives an
+  all-to-all, summed over its arrays; its dtype where they share one), and the size of its
+  replica groups (0 where the text gives none)."""
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   out = []
   for m in _COLLECTIVE.finditer(text):
-    dtype, dims, op, groups = m.groups()
-    elements = 1
-    for d in filter(None, dims.split(",")):
-      elements *= int(d)
+    shape, op, groups = m.groups()
+    arrays = _ARRAY.findall(shape)
+    dtypes = {dtype for dtype, _ in arrays}
+    elements, nbytes = 0, 0
+    for dtype, dims in arrays:
+      count = 1
+      for d in filter(None, dims.split(",")):
+        count *= int(d)
+      elements += count
+      nbytes += count * DTYPE_BYTES.get(dtype, 0)
     first = re.match(r"\{\{([\d,]*)\}", groups)
     group = len(first.group(1).split(",")) if first else 0
-    out.append({"op": op, "dtype": dtype, "elements": elements,
-                "bytes": elements * DTYPE_BYTES.get(dtype, 0), "group": group})
+    out.append({"op": op, "dtype": dtypes.pop() if len(dtypes) == 1 else "tuple",
+                "elements": elements, "bytes": nbytes, "group": group})
   return out

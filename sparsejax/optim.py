@@ -610,7 +610,8 @@ def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_
   `axes=None`: the trust ratio from this worker's own `g + weight_decay * p`. With the workers'
   mesh `axes` (inside `shard_map`), from the norm of the workers' mean of it, as LARS after a
   dense exchange has it, estimated from count sketches of `buckets` bins a leaf
-  (`sparsejax.sketch.mean_norms`: one all-reduce of `buckets + 2` floats a leaf); every worker
+  (`sparsejax.sketch.mean_norms`: one all-reduce of `buckets + 2` floats a leaf of
+  `trust_ratio_mask`, the only ones whose norm is read); every worker
   then scales by the same ratio, so the mean of the directions is LARS's direction of the mean
   gradient. The sketch's hash is drawn from the parameters' norms (the same on every worker,
   new every step)."""
@@ -620,15 +621,21 @@ def lars_direction(layout: FlatLayout, weight_decay: Scalar = 0.0, weight_decay_
   decay_mask = _check_mask("weight_decay_mask", weight_decay_mask)
   trust_mask = _check_mask("trust_ratio_mask", trust_ratio_mask)
   plan = _make_plan(layout, decay_mask, trust_mask, decay_mask_name="weight_decay_mask")
+  # only the leaves whose trust ratio applies are sketched (the others' norms are not read):
+  # their segments renumbered 0.., every other row left out (segment `sketched.size`)
+  sketched = np.flatnonzero(plan.trust_leaves)
+  segment = np.full(layout.num_leaves + 1, sketched.size, np.int32)
+  segment[sketched] = np.arange(sketched.size)
 
   def direction(g: jax.Array, p: jax.Array) -> jax.Array:
     g, p = g.astype(jnp.float32), p.astype(jnp.float32)
     d = g + _decay(plan, jnp.float32(weight_decay)) * p
     param_norm, update_norm = _leaf_norms(plan, p, d)
-    if axes is not None:
+    if axes is not None and sketched.size:
       seed = lax.bitcast_convert_type(jnp.sum(param_norm), jnp.uint32)
-      update_norm = sketch.mean_norms(plan.rows(d), plan.row_ids, layout.num_leaves + 1, axes,
-                                      buckets=buckets, seed=seed, own_norms=update_norm)
+      update_norm = update_norm.at[sketched].set(sketch.mean_norms(
+          plan.rows(d), segment[plan.row_ids], sketched.size, axes, buckets=buckets, seed=seed,
+          own_norms=update_norm[sketched]))
     return d * _trust_ratio(plan, param_norm, update_norm, trust_coefficient, eps)
 
   return direction

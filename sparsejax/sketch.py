@@ -49,7 +49,9 @@ def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
 
   Args:
     x: this worker's values, one row per line of `row_segments`.
-    row_segments: int[rows], each row's segment in [0, num_segments).
+    row_segments: int[rows], each row's segment in [0, num_segments], `num_segments` for a
+      row that is left out (neither sketched nor counted: no bytes for a segment whose norm
+      nobody reads).
     num_segments: how many segments.
     axes: the workers' mesh axes.
     buckets: a power of two >= 2, the sketch's bins a segment (its error: above).
@@ -62,9 +64,9 @@ def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
   row_segments = np.asarray(row_segments)
   if row_segments.shape != (x.shape[0],):
     raise ValueError(f"row_segments has shape {row_segments.shape}, x has {x.shape[0]} rows")
-  if row_segments.size and not 0 <= row_segments.min() <= row_segments.max() < num_segments:
-    raise ValueError(f"row_segments must lie in [0, {num_segments}), got "
-                     f"[{row_segments.min()}, {row_segments.max()}]")
+  if row_segments.size and not 0 <= row_segments.min() <= row_segments.max() <= num_segments:
+    raise ValueError(f"row_segments must lie in [0, {num_segments}] ({num_segments}: left "
+                     f"out), got [{row_segments.min()}, {row_segments.max()}]")
   x = x.astype(jnp.float32)
   rows, width = x.shape
   position = (lax.broadcasted_iota(jnp.uint32, x.shape, 0) * jnp.uint32(width)
@@ -74,9 +76,9 @@ def mean_norms(x: jax.Array, row_segments: np.ndarray, num_segments: int,
   bins = (jnp.asarray(row_segments, jnp.int32)[:, None] * buckets
           + (h & jnp.uint32(buckets - 1)).astype(jnp.int32))
   sketch = jnp.zeros(num_segments * buckets, jnp.float32).at[bins.reshape(-1)].add(
-      (sign * x).reshape(-1)).reshape(num_segments, buckets)
+      (sign * x).reshape(-1), mode="drop").reshape(num_segments, buckets)  # (left out: dropped)
   own = (jnp.zeros(num_segments, jnp.float32).at[jnp.asarray(row_segments)].add(
-      jnp.sum(x * x, axis=1)) if own_norms is None else jnp.square(own_norms))
+      jnp.sum(x * x, axis=1), mode="drop") if own_norms is None else jnp.square(own_norms))
   sketch_own = jnp.sum(sketch * sketch, axis=1)
   names = (axes,) if isinstance(axes, str) else tuple(axes)
   total = lax.psum(jnp.concatenate([own, sketch_own, sketch.reshape(-1)]), names)

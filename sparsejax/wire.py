@@ -12,6 +12,11 @@
 
 `pack` and `unpack` are the local halves around one all-gather of uint32 words;
 `bytes_per_worker` is what a worker sends of them.
+
+A format is the exchange's, not only its pairs': where an exchange in pairs4 runs its dense
+form (a dense level of the plan, a recipe's dense start) the values cross as bfloat16 too, 2
+bytes a value, summed exactly in float32 by the worker that owns each chunk, every rounding
+error kept in a residual (`sparsejax.comm.dense_sum`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ def bytes_per_worker(wire: str, k: int, length: int) -> tuple[int, int]:
 def round_values(values: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`(sent, error)`: float32 `values` rounded to bfloat16 (as float32 again) and what the
   rounding took off, `values - sent` (exact: the low bits bfloat16 drops)."""
-  sent = values.astype(jnp.bfloat16).astype(jnp.float32)
+  # (reduce_precision, not a float32 -> bfloat16 -> float32 round trip, which XLA may fold away
+  # where it allows excess precision, as on GPU)
+  sent = lax.reduce_precision(values.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
   return sent, values - sent
 
 

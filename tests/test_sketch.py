@@ -66,5 +66,30 @@ def test_buckets_must_be_a_power_of_two(buckets):
 def test_segments_must_match_the_rows():
   with pytest.raises(ValueError, match=r"row_segments has shape \(3,\), x has 2 rows"):
     sketch.mean_norms(jnp.zeros((2, 3)), np.zeros(3, np.int32), 1, "w")
-  with pytest.raises(ValueError, match=r"must lie in \[0, 2\), got \[0, 2\]"):
-    sketch.mean_norms(jnp.zeros((2, 3)), np.array([0, 2], np.int32), 2, "w")
+  with pytest.raises(ValueError, match=r"must lie in \[0, 2\] \(2: left out\), got \[0, 3\]"):
+    sketch.mean_norms(jnp.zeros((2, 3)), np.array([0, 3], np.int32), 2, "w")
+
+
+def test_rows_left_out_change_nothing_of_the_others_but_the_bytes(rng):
+  """Segments renumbered with the others' rows left out (segment `num_segments`): the kept
+  segments' estimates those of the whole sketch (the hash follows the position, the bucket
+  within a segment too: the same sums, to float32's reduction order), and the all-reduce
+  carries only the kept segments."""
+  from sparsejax import hlo
+  rows, width, segments = 41, 19, 7
+  x = _workers_data(rng, 8, rows, width, noise=1.0)
+  row_segments = np.sort(rng.integers(0, segments, rows)).astype(np.int32)
+  kept = np.array([1, 4, 5])
+  renumber = np.full(segments, kept.size, np.int32)
+  renumber[kept] = np.arange(kept.size)
+  whole = _estimates(x, row_segments, segments, range(3), buckets=32)
+  part = _estimates(x, renumber[row_segments], kept.size, range(3), buckets=32)
+  np.testing.assert_allclose(part, whole[..., kept], rtol=1e-6)
+  mesh = make_mesh(4, 2)
+  run = jax.jit(jax.shard_map(
+      lambda xs: sketch.mean_norms(xs[0], renumber[row_segments], kept.size, AXES,
+                                   buckets=32)[None],
+      mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))
+  sums = [c for c in hlo.collectives(run.lower(jnp.asarray(x)).compile())
+          if c["op"] == "all-reduce" and c["dtype"] == "f32"]
+  assert [c["elements"] for c in sums] == [kept.size * (32 + 2)]

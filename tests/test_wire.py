@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, run_workers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -136,6 +136,126 @@ def test_the_bytes_on_the_wire_are_the_compiled_program_s(rng, algorithm, nodes,
   assert pairs["dtype"] == ("u32" if form == "pairs4" else "s32")
 
 
+def _dense_sum_reference(x, groups):
+  """numpy's `comm.dense_sum` in pairs4 over each group of workers (rows of `x`): every value
+  rounded to bfloat16, chunk j of the group's rounded values summed in float32 by the group's
+  j-th worker and rounded again; each worker keeps its values' rounding error plus, on its
+  chunk, the sum's. Returns (total, kept) per worker."""
+  total, kept = np.zeros_like(x), np.zeros_like(x)
+  n = x.shape[1]
+  for group in groups:
+    g = len(group)
+    chunk = -(-n // g)
+    sent = _bf16(x[group])
+    exact = sent.sum(0, dtype=np.float32)
+    rounded = _bf16(exact)
+    for j, w in enumerate(group):
+      total[w] = rounded
+      kept[w] = x[w] - sent[j]
+      mine = slice(j * chunk, (j + 1) * chunk)
+      kept[w][mine] += exact[mine] - rounded[mine]
+  return total, kept
+
+
+@pytest.mark.parametrize("nodes,local,parties", [(2, 4, ("node",)), (4, 2, ("node",)),
+                                                 (2, 4, ("node", "local")), (3, 1, ("node",))])
+def test_the_dense_form_in_pairs4_sums_bfloat16_and_keeps_every_rounding_error(
+    rng, nodes, local, parties):
+  """`comm.dense_sum` in pairs4 against numpy (a buffer that no group size divides): the total
+  bit for bit, the same on every worker of a group, what each keeps bit for bit, and the total
+  plus what the group keeps is the group's sum of the inputs. (The inputs are bfloat16
+  values of exponents -4..4 plus less than half their spacing, so that every float32 sum of
+  them is exact whatever its order, and the reference's order need not be XLA's.)"""
+  n, p = 10_007, nodes * local
+  exponent = rng.integers(-4, 5, (p, n)).astype(np.float64)
+  base = (rng.choice([-1.0, 1.0], (p, n)) * 2.0 ** exponent
+          * (1 + rng.integers(0, 128, (p, n)) / 128))
+  x = (base + np.sign(base) * 2.0 ** (exponent - 7) * rng.uniform(0.05, 0.45, (p, n))
+       ).astype(np.float32)  # (away from zero: within the binade, under half the spacing)
+  assert (_bf16(x) == base).all()
+  total, kept = run_workers(make_mesh(nodes, local),
+                            lambda v: comm.dense_sum(v, parties, "pairs4"), x)
+  workers = np.arange(p).reshape(nodes, local)
+  groups = [list(workers[:, i]) for i in range(local)] if parties == ("node",) else [list(range(p))]
+  want_total, want_kept = _dense_sum_reference(x, groups)
+  np.testing.assert_array_equal(total, want_total)
+  np.testing.assert_array_equal(kept, want_kept)
+  assert kept.any()
+  for group in groups:  # (to the float32 rounding of a worker's two errors' sum, < 2^-24)
+    np.testing.assert_allclose(total[group[0]].astype(np.float64)
+                               + kept[group].astype(np.float64).sum(0),
+                               x[group].astype(np.float64).sum(0), rtol=0, atol=2.0 ** -22)
+  plain_total, plain_kept = run_workers(make_mesh(nodes, local),
+                                        lambda v: comm.dense_sum(v, parties), x)
+  assert not plain_kept.any()
+  np.testing.assert_allclose(plain_total[groups[0][0]], x[groups[0]].sum(0), rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm,nodes,local", [("allgather", 2, 4), ("hitopk", 4, 2),
+                                                   ("hitopk", 2, 4)])
+def test_the_dense_form_s_bytes_in_pairs4_are_the_compiled_program_s(rng, algorithm, nodes,
+                                                                     local):
+  """The dense form of an exchange in pairs4 (a forced dense level): its all-to-all and
+  all-gather of bfloat16 bits (uint16: XLA:CPU would carry bfloat16 as float32) across the
+  dense parties send per worker what `comm.wire_bytes` counts for the form with that wire
+  (half of float32's all-reduce), and no float32 value crosses them."""
+  n = 300_008  # (each party's part divides into the group's chunks)
+  x = rng.standard_normal((nodes * local, n)).astype(np.float32)
+  tx = exchange(comm.sparse_collective(algorithm, AXES, "pairs4"),
+                density_schedule(0.01, dense_form=True), feedback=error_feedback())
+  mesh, spec = make_mesh(nodes, local), P(AXES)
+
+  def body(g):
+    out, state = tx.update(g[0], tx.init(g[0]), density_level=1)
+    return out[None], state.bytes_sent[None]
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  placed = jax.device_put(x, NamedSharding(mesh, spec))
+  group = nodes if algorithm == "hitopk" else nodes * local
+  found = [c for c in hlo.collectives(fn.lower(placed).compile()) if c["group"] == group]
+  assert {(c["op"], c["dtype"]) for c in found} == {("all-to-all", "u16"),
+                                                    ("all-gather", "u16")}
+  sent = sum(c["bytes"] * (group - 1) // group for c in found)
+  form = comm.dense_form(algorithm)
+  want = comm.wire_bytes(form, n=n, nodes=nodes, local=local, wire="pairs4")
+  local_part = (comm.wire_bytes(form, n=n, nodes=nodes, local=local)["intra"]
+                if algorithm == "hitopk" else 0.0)
+  assert sent == want["inter"] + want["intra"] - local_part
+  assert want["inter"] == comm.wire_bytes(form, n=n, nodes=nodes, local=local)["inter"] / 2
+  assert float(np.asarray(fn(placed)[1])[0]) == want["inter"] + want["intra"]
+
+
+@pytest.mark.parametrize("correction", [None, MomentumCorrection(0.9)])
+def test_the_steady_step_sums_bfloat16_only_without_a_correction(rng, correction):
+  """pairs4's steady dense step (level 2 after the dense form): without a correction its sum
+  crosses as bfloat16 and keeps the roundings; with one (the residual holds the correction's
+  candidates, not gradients) it sums float32 and leaves the residual as the dense form left it.
+  Each step's `bytes_sent` says which."""
+  nodes, local, n = 2, 4, 20_011
+  seq = [rng.standard_normal((nodes * local, n)).astype(np.float32) for _ in range(2)]
+  tx = exchange(comm.sparse_collective("hitopk", AXES, "pairs4"),
+                density_schedule(0.01, dense_form=True), feedback=error_feedback(correction))
+
+  def body(g0, g1):
+    state = tx.init(g0)
+    _, state = tx.update(g0, state, density_level=1)
+    after_dense = state.feedback.residual
+    _, state = tx.update(g1, state, density_level=2)
+    return after_dense, state.feedback.residual, state.bytes_sent
+
+  after_dense, after_steady, sent = run_workers(make_mesh(nodes, local), body, *seq)
+  padded = -(-n // local) * local
+  wire_of_steady = "pairs4" if correction is None else "pairs8"
+  want = comm.wire_bytes("hierarchical", n=padded, nodes=nodes, local=local, wire=wire_of_steady)
+  assert float(sent[0]) == want["inter"] + want["intra"]
+  assert after_dense.any()  # (the dense form's roundings)
+  if correction is None:
+    assert not np.array_equal(after_steady, after_dense)  # its own roundings kept
+  else:
+    np.testing.assert_array_equal(after_steady, after_dense)
+
+
 def test_pairs4_is_refused_where_it_cannot_keep_its_rounding_error():
   with pytest.raises(ValueError, match="unknown wire format 'pairs2'"):
     comm.sparse_collective("hitopk", AXES, "pairs2")
@@ -146,9 +266,11 @@ def test_pairs4_is_refused_where_it_cannot_keep_its_rounding_error():
 
 
 def test_the_config_s_wire_reaches_the_plan_and_is_checked():
-  """`experimental.wire="pairs4"`: pairs of half the bytes break even with the dense form at
-  about twice the density (HiTopKComm at 2 nodes: 0.64 is then below it, 1.0 above); refused
-  for gTop-k and without error feedback."""
+  """`experimental.wire="pairs4"`: its pairs are half pairs8's bytes and its dense form sends
+  bfloat16 values, half float32's, so the pairs break even with the dense form at the density
+  they do in pairs8 (HiTopKComm at 2 nodes: about 0.5, so 0.64 runs the dense form in both);
+  with a momentum correction the dense form's steady steps sum float32, so 0.64's pairs run;
+  refused for gTop-k and without error feedback."""
   from conftest import override
 
   from sparsejax.train import config as config_lib
@@ -158,7 +280,10 @@ def test_the_config_s_wire_reaches_the_plan_and_is_checked():
   four = make_plan(config_lib.validate(override(config_lib.default_config(),
                                                 {**base, "experimental.wire": "pairs4"})), 100)
   assert eight.levels == four.levels == (0.01, 0.04, 0.16, 0.64, 1.0)
-  assert eight.dense_levels == (3,) and four.dense_levels == ()
+  assert eight.dense_levels == four.dense_levels == (3,)
+  corrected = make_plan(config_lib.validate(override(config_lib.default_config(), {
+      **base, "experimental.wire": "pairs4", "compression.momentum_correction": True})), 100)
+  assert corrected.dense_levels == ()  # (its steady steps sum float32: 0.64's pairs are less)
   for bad, match in (({"compression.algorithm": "gtopk"}, "'pairs8' unless the sparse"),
                      ({"compression.error_feedback": False}, "error_feedback False")):
     config = override(config_lib.default_config(), {"experimental.wire": "pairs4", **bad})

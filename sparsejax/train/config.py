@@ -127,7 +127,7 @@ def _compression_defaults() -> ml_collections.ConfigDict:
       "momentum_correction": False,
       "warmup_epochs": 0.0,     # DGC warm-up: density decays from warmup_density to density
       "warmup_density": 0.25,
-      # the exchange's dense form (every candidate all-reduced, the residual emptied) for the
+      # the exchange's dense form (every candidate summed, the residual emptied) for the
       # first this-many epochs, then compressed: 1-bit Adam's dense start (recipe "onebit_adam")
       "dense_epochs": 0.0,
   })
@@ -207,7 +207,8 @@ def _experimental_defaults() -> ml_collections.ConfigDict:
       "whole_vectors": False,
       # the pairs' wire format (sparsejax.wire): "pairs8" (float32 value, int32 index) or
       # "pairs4" (bfloat16 value, 16-bit index in its block, the rounding error kept in the
-      # residual; hitopk and allgather, with error feedback)
+      # residual; hitopk and allgather, with error feedback); in pairs4 the exchange's dense
+      # form (its dense levels and dense start) sends its values as bfloat16 too
       "wire": "pairs8",
   })
 

@@ -14,8 +14,9 @@ config's epochs.
 
 Never more bytes than dense: a density level whose (value, index) pairs would send more bytes
 than the exchange's dense form at the run's workers (`comm.wire_bytes`; at P nodes, about a
-density over 1/P) runs the dense form instead, every candidate all-reduced and the residual
-emptied (`Plan.dense_levels`, said in `Plan.notes`): a density warm-up then never costs more
+density over 1/P) runs the dense form instead, every candidate summed and the residual
+emptied (in pairs4 the values cross as bfloat16 and the residual keeps their rounding)
+(`Plan.dense_levels`, said in `Plan.notes`): a density warm-up then never costs more
 than a dense step.
 """
 
@@ -113,21 +114,24 @@ class Plan:
   @property
   def dense_level(self) -> int | None:
     """The level index of the compressor's dense form (None without one): every candidate
-    all-reduced, the residual sent and emptied, the correction's state made the mean."""
+    all-reduced, the residual sent and emptied (in pairs4 but for its bfloat16 roundings), the
+    correction's state made the mean."""
     return len(self.levels) if self.dense_form else None
 
   @property
   def steady_level(self) -> int | None:
     """The level index of the dense form's steady step (None without a dense form): the
-    gradient all-reduced, then the correction run on the mean, the residual untouched; plain
-    dense's work, for a step after a dense-form step (`dense_after`)."""
+    gradient all-reduced, then the correction run on the mean, the residual untouched (in
+    pairs4 without a correction the last step's bfloat16 roundings sent with it and this
+    step's kept); plain dense's work, for a step after a dense-form step (`dense_after`)."""
     return len(self.levels) + 1 if self.dense_form else None
 
   def dense_after(self, previous: int | None) -> int:
     """The dense form's level for a step after one at level `previous` (None: the run's first
-    step): its steady step where the residual is empty and the correction's state the same on
-    every party (after a dense-form step, or at the start), else the dense form, which sends
-    the residual and makes the state the mean (the switch's extra work, once)."""
+    step): its steady step where the residual is empty (in pairs4, but for roundings) and the
+    correction's state the same on every party (after a dense-form step, or at the start),
+    else the dense form, which sends the residual and makes the state the mean (the switch's
+    extra work, once)."""
     if previous is None or previous in (self.dense_level, self.steady_level):
       return self.steady_level
     return self.dense_level
@@ -236,16 +240,20 @@ def _stages(resize_schedule: Any, spe: int, total: int) -> tuple[tuple[int, int 
 
 
 def _denser_than_dense(algorithm: str, levels: tuple[float, ...],
-                       workers: tuple[int, int] | None, wire: str) -> tuple[int, ...]:
+                       workers: tuple[int, int] | None, wire: str,
+                       dense_wire: str) -> tuple[int, ...]:
   """The levels whose pairs (in the `wire` format) would send more bytes than the dense form of
-  `algorithm` at `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the
+  `algorithm` in `dense_wire` (the wire of its steady steps, which a dense level runs but for
+  its first step: pairs4's bfloat16 values, float32 with a correction: `compress._steady`) at
+  `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the
   ratio does not depend on the buffer but through k's rounding and pairs4's block counts)."""
   if workers is None or algorithm not in comm.SPARSE_ALGORITHMS:
     return ()
   nodes, local = workers
   shard = 1 << 20
   n = shard * (local if algorithm in comm.HIERARCHICAL_ALGORITHMS else 1)
-  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local)
+  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local,
+                         wire=dense_wire)
   out = []
   for i, d in enumerate(levels):
     pairs = comm.wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes,
@@ -283,8 +291,10 @@ def make_plan(config: Any, steps_per_epoch: int,
       stage_ends=tuple(s for s, _ in stages[1:]) if config.eval_at_stage_boundaries else (),
       pipeline_start=steps(config.overlap.from_epochs, spe))
   level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
-  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers,
-                                                     config.experimental.wire)
+  wire = config.experimental.wire
+  dense_wire = "pairs8" if c.momentum_correction else wire  # (a correction's steady step: f32)
+  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers, wire,
+                                                     dense_wire)
                        if any(level == i for _, level in level_steps))
   return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
                              dense_levels=dense_levels,
