@@ -55,7 +55,8 @@ from sparsejax.flat import FlatLayout
 
 __all__ = ["ExchangeState", "exchange", "topk_allreduce", "dense_mean", "hierarchical_mean",
            "DensitySchedule", "density_schedule", "density_levels", "level_index",
-           "TensorBalance", "tensor_balance", "tensor_weights", "SendWhole", "send_whole"]
+           "TensorBalance", "tensor_balance", "tensor_weights", "SendWhole", "send_whole",
+           "steady_wire"]
 
 
 class ExchangeState(NamedTuple):
@@ -484,10 +485,14 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
       second=None if memory.second is None else lax.pmean(memory.second, parties))
 
 
+def steady_wire(wire: str, corrected: bool) -> str:
+  """The wire of the dense form's steady step for an exchange in `wire`: `wire` without a
+  correction, else pairs8 (float32: see `_steady`). The plan's byte rule reads it too."""
+  return "pairs8" if corrected else wire
+
+
 def _steady_wire(collective: comm.SparseCollective, feedback: ErrorFeedback | None) -> str:
-  """The wire of the dense form's steady step: the collective's without a correction, else
-  pairs8 (float32: see `_steady`)."""
-  return collective.wire if feedback is None or feedback.correction is None else "pairs8"
+  return steady_wire(collective.wire, feedback is not None and feedback.correction is not None)
 
 
 def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array,

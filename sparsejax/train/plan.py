@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import comm
-from sparsejax.compress import density_levels, level_index
+from sparsejax.compress import density_levels, level_index, steady_wire
 
 __all__ = ["steps", "Plan", "make_plan", "FORMS", "at"]
 
@@ -292,7 +292,7 @@ def make_plan(config: Any, steps_per_epoch: int,
       pipeline_start=steps(config.overlap.from_epochs, spe))
   level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
   wire = config.experimental.wire
-  dense_wire = "pairs8" if c.momentum_correction else wire  # (a correction's steady step: f32)
+  dense_wire = steady_wire(wire, corrected=bool(c.momentum_correction))
   dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers, wire,
                                                      dense_wire)
                        if any(level == i for _, level in level_steps))
