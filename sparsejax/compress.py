@@ -80,13 +80,24 @@ class ExchangeState(NamedTuple):
 
 # ----------------------------------------------------------------------------- density schedule
 
-def density_levels(density: float, ratio: float = 4.0) -> tuple[float, ...]:
-  """The static densities a schedule is rounded up to: density * ratio**j below 1, then 1."""
-  levels, d = [], density
-  while d < 1.0:
-    levels.append(d)
-    d *= ratio
-  return tuple(levels) + (1.0,)
+def density_levels(density: float, start: float | None = None,
+                   ratio: float = 4.0) -> tuple[float, ...]:
+  """The static densities a schedule is rounded up to (each compiles once): without `start`,
+  density * ratio**j below 1, then 1. With `start` (the schedule's first density, above
+  `density`): the geometric grid from `density` to `start` in the fewest steps of at most
+  `ratio` (DGC's warm-up decays 4x a stage), then 1 above it, so that a warm-up runs its first
+  steps at the density it asks for (0.04 from 0.25: 0.04, 0.1, 0.25; not 0.16, 0.64, which
+  send 2.56x the pairs asked for) and no level is more than `ratio` above the schedule."""
+  if start is None or not density < start <= 1.0:
+    levels, d = [], density
+    while d < 1.0:
+      levels.append(d)
+      d *= ratio
+    return tuple(levels) + (1.0,)
+  stages = max(1, math.ceil(math.log(start / density) / math.log(ratio) - 1e-9))
+  step = (start / density) ** (1.0 / stages)
+  levels = [density * step**j for j in range(stages)] + [float(start)]
+  return tuple(levels) + ((1.0,) if start < 1.0 else ())
 
 
 def level_index(levels: tuple[float, ...], wanted):
@@ -130,11 +141,11 @@ class DensitySchedule(NamedTuple):
 def density_schedule(density: float, schedule: Callable | None = None,
                      dense_form: bool = False) -> DensitySchedule:
   """The density-schedule piece for a final `density` in (0, 1]: one level without `schedule`,
-  else `density_levels(density)`, each step's `schedule(count)` rounded up to one of them (DGC's
-  warm-up: start dense and decay to `density`); shapes stay static, each level compiles once.
-  `dense_form`: also offer the exchange's dense form (level `len(levels)`: every candidate
-  summed, the residual emptied, the correction's state made the workers' mean) and its
-  steady step (level `len(levels) + 1`, for a step after a dense-form step: the gradient
+  else `density_levels(density, schedule(0))`, each step's `schedule(count)` rounded up to one
+  of them (DGC's warm-up: start dense and decay to `density`); shapes stay static, each level
+  compiles once. `dense_form`: also offer the exchange's dense form (level `len(levels)`:
+  every candidate summed, the residual emptied, the correction's state made the workers' mean)
+  and its steady step (level `len(levels) + 1`, for a step after a dense-form step: the gradient
   summed first and the correction run on the mean, as plain dense runs its optimizer; the
   residual, empty, not touched). In pairs4 both keep their bfloat16 roundings in the residual
   (the steady step with a correction sums float32: `_steady`)."""
@@ -143,7 +154,8 @@ def density_schedule(density: float, schedule: Callable | None = None,
   if schedule is not None and not callable(schedule):
     raise ValueError(f"schedule must be an optax schedule (count -> density) or None, got "
                      f"{schedule!r}")
-  levels = density_levels(density) if schedule is not None else (float(density),)
+  levels = ((float(density),) if schedule is None
+            else density_levels(density, float(schedule(0))))
   return DensitySchedule(levels, schedule, bool(dense_form))
 
 
@@ -550,10 +562,10 @@ def topk_allreduce(density: float, *, algorithm: str = "hitopk",
       candidates are Adam directions): chain an SGD without momentum whose weight decay is
       AdamW's.
     schedule: optional optax schedule `count -> density` (DGC's warm-up: start dense and decay
-      to `density`), rounded up to `density_levels(density)` each step (a `lax.switch` over the
-      levels; a caller that knows the step picks the level on the host instead: `update(...,
-      density_level=level_index(density_levels(density), schedule(step)))`, one compiled step
-      per level, what sparsejax's trainer does).
+      to `density`), rounded up to `density_levels(density, schedule(0))` each step (a
+      `lax.switch` over the levels; a caller that knows the step picks the level on the host
+      instead: `update(..., density_level=level_index(density_levels(density, schedule(0)),
+      schedule(step)))`, one compiled step per level, what sparsejax's trainer does).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with an `ExchangeState` (see `exchange`).

@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS_PER_EPOCH = 11  # the quickstart's recipe below
 SCHEDULE = ((0, "sparse"), (7, "dense"), (12, "sparse"))  # in steps ...
 EPOCHS = tuple((step / STEPS_PER_EPOCH, form) for step, form in SCHEDULE)  # ... and in epochs
+# (a warm-up from 0.8: its first level's pairs send more than the dense form at 2 nodes)
+SCHEDULED = {"auto.schedule": EPOCHS, "compression.warmup_density": 0.8}
 
 
 def read_csv(path):
@@ -276,7 +278,7 @@ def test_bad_auto_keys_are_named(changes, match):
 @pytest.fixture(scope="module")
 def scheduled_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("scheduled"))
-  summary = train_and_evaluate(auto_config(**{"auto.schedule": EPOCHS}), workdir,
+  summary = train_and_evaluate(auto_config(**SCHEDULED), workdir,
                                progress=False)
   return workdir, summary
 
@@ -286,9 +288,9 @@ def test_a_scheduled_run_switches_forms_where_told(scheduled_run):
   workdir, summary = scheduled_run
   rows = read_csv(os.path.join(workdir, "train.csv"))
   assert [int(r["step"]) for r in rows] == list(range(1, 23))
-  plan = make_plan(config_lib.validate(auto_config(**{"auto.schedule": EPOCHS})),
+  plan = make_plan(config_lib.validate(auto_config(**SCHEDULED)),
                    STEPS_PER_EPOCH)
-  assert plan.dense_levels  # the warm-up's first level, 0.64 at 2 nodes: sent dense
+  assert plan.dense_levels  # the warm-up's first level, 0.8 at 2 nodes: sent dense
   for r in rows:
     step = int(r["step"]) - 1  # the row of step s + 1 is step s's update
     dense = at(SCHEDULE, step) == "dense" or plan.sparse_level(step) in plan.dense_levels
@@ -310,7 +312,7 @@ def test_a_run_resumed_in_the_dense_form_equals_the_uninterrupted_run(scheduled_
   for step in ("20", "22"):  # as if the run had died after the checkpoint at step 10 (dense)
     shutil.rmtree(os.path.join(resumed, "checkpoints", step))
   os.remove(os.path.join(resumed, "summary.json"))
-  again = train_and_evaluate(auto_config(**{"auto.schedule": EPOCHS}), resumed,
+  again = train_and_evaluate(auto_config(**SCHEDULED), resumed,
                              progress=False)
   assert read_csv(os.path.join(resumed, "train.csv")) == read_csv(
       os.path.join(workdir, "train.csv"))
@@ -543,7 +545,7 @@ def test_a_switch_must_save_more_than_the_other_form_s_compile(tmp_path, monkeyp
   summary = train_and_evaluate(auto_config(**{
       "auto.schedule": tuple((s / STEPS_PER_EPOCH, "measured") for s in (0, 10, 20)),
       "auto.step_factor": 1.2, "compression.warmup_epochs": 0.0}), str(tmp_path),
-      progress=False)  # (no warm-up: its first level, 0.64, would run the dense form's step)
+      progress=False)  # (no warm-up: the plain sparse form throughout)
   first, *later = summary["exchange_choices"]
   programs = summary["programs"]
   assert first["form"] == "sparse" and first["switch_ms"] == 0, first  # (nothing to switch from)

@@ -1,5 +1,7 @@
 """topk_allreduce as an optax transform inside shard_map, against numpy references."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +143,25 @@ def test_non_finite_gradient_skips_step(rng, algorithm, bad):
   assert (state.inner_state.count == 1).all()
 
 
+@pytest.mark.parametrize("density,start", [(0.04, 0.25), (0.001, 0.25), (0.007, 0.3),
+                                           (0.01, 1.0), (0.2, 0.5), (0.013, 0.052),
+                                           (0.013, 0.0521), (0.3, 0.31)])
+def test_the_levels_run_a_warm_up_at_the_densities_it_asks_for(density, start):
+  """With the schedule's start, the levels are the geometric grid from the density to the
+  start in the fewest steps of at most 4x (then 1): the warm-up's first steps run at its own
+  density, not up to 4x above it; without one, density x 4^j."""
+  levels = density_levels(density, start)
+  grid = levels[:-1] if start < 1 else levels
+  assert levels[-1] == 1.0 and grid[0] == density and grid[-1] == start
+  steps = np.diff(np.log(np.asarray(grid)))
+  np.testing.assert_allclose(steps, steps[0], rtol=1e-9)
+  assert steps[0] <= math.log(4) + 1e-12  # no level more than 4x above the schedule
+  stages = len(grid) - 1  # ... in the fewest levels: one fewer would need more than 4x
+  assert stages == 1 or (start / density) ** (1 / (stages - 1)) > 4
+  np.testing.assert_allclose(density_levels(0.04, 0.25), (0.04, 0.1, 0.25, 1.0))
+  assert density_levels(0.04) == density_levels(0.04, 0.04) == (0.04, 0.16, 0.64, 1.0)
+
+
 def test_density_schedule_switches_levels(rng):
   levels = density_levels(0.01)
   assert levels[0] == 0.01 and levels[-1] == 1.0
@@ -163,9 +184,9 @@ def test_density_level_chosen_by_the_caller_matches_the_switch(rng):
   def sched(count):  # densities 0.3, 0.05, then 0.01
     return jnp.asarray([0.3, 0.05, 0.01], jnp.float32)[jnp.minimum(count, 2)]
 
-  levels = density_levels(0.01)
+  levels = density_levels(0.01, float(sched(0)))  # (0.01, 0.031, 0.097, 0.3, 1)
   host = [level_index(levels, float(sched(s))) for s in range(3)]
-  assert host == [3, 2, 0]  # 0.3 -> 0.64, 0.05 -> 0.16, 0.01 -> 0.01
+  assert host == [3, 2, 0]  # 0.3 -> 0.3, 0.05 -> 0.097, 0.01 -> 0.01
   assert [int(level_index(levels, jnp.float32(sched(s)))) for s in range(3)] == host
   tx = topk_allreduce(0.01, algorithm="hitopk", schedule=sched)
   g = [grads_like(rng, 8) for _ in range(3)]

@@ -72,7 +72,7 @@ def test_the_density_warmup_on_the_host_is_numpy_and_matches_the_traced_schedule
   expected = 0.3 * (0.007 / 0.3) ** np.minimum(np.asarray(at) / 48, 1.0)
   np.testing.assert_allclose(np.asarray(host, np.float64), expected, rtol=1e-5)
   # the level table is the schedule rounded up to the levels, step by step
-  levels = density_levels(0.007)
+  levels = density_levels(0.007, 0.3)
   assert plan.levels == levels
   want = [level_index(levels, float(schedule(s))) for s in range(plan.total_steps)]
   assert [plan.sparse_level(s) for s in range(plan.total_steps)] == want
@@ -171,7 +171,8 @@ def test_no_level_sends_more_bytes_than_the_dense_form(algorithm, nodes, local):
 
 
 def test_levels_are_kept_where_the_workers_are_not_known():
-  config = _config(**{"compression.warmup_epochs": 1.0, "mesh.nodes": -1, "mesh.local": 4})
+  config = _config(**{"compression.warmup_epochs": 1.0, "compression.warmup_density": 0.8,
+                      "mesh.nodes": -1, "mesh.local": 4})
   plan = make_plan(config, 100)
   assert plan.workers is None and plan.dense_levels == () and not plan.dense_form
-  assert make_plan(config, 100, (2, 4)).dense_levels == (len(plan.levels) - 2,)  # 0.64 > 1/2
+  assert make_plan(config, 100, (2, 4)).dense_levels == (len(plan.levels) - 2,)  # 0.8 > 1/2

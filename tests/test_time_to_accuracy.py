@@ -67,7 +67,7 @@ def test_quick_run_trains_the_sparsejax_systems_sweeps_and_tears_down(quick):
       assert sum(n for _, n in run["levels_to_target"]) == hit["step"]
   # every system x bandwidth x density level it visits was timed, with bytes on the link
   sweep = {(r["system"], r["bandwidth"], r["density"]) for r in got["sweep"]}
-  levels = [d for d in density_levels(0.01) if d >= 0.01]
+  levels = density_levels(0.01, 0.25)  # (the task's warm-up from 0.25)
   for bw in ("unlimited", "200mbit"):
     assert ("dense", bw, 1.0) in sweep
     assert {d for s, b, d in sweep if s == "hitopk-0.01" and b == bw} <= set(levels)
@@ -223,9 +223,9 @@ def test_pin_to_core_moves_every_thread_of_the_process():
 def test_density_per_step_follows_the_warm_up_onto_the_transform_levels():
   config = tta_systems.load_task(CONFIG, ["compression.warmup_epochs=0.1"], "hitopk-0.001")
   dens = tta_systems.density_per_step(config, 200, 60)
-  levels = density_levels(0.001)
+  levels = density_levels(0.001, 0.25)
   assert set(dens) <= set(levels)
-  assert dens[0] == min(d for d in levels if d >= 0.25 * (1 - 1e-6))  # rounded up, not down
+  assert dens[0] == 0.25  # the warm-up's first steps at the density it asks for
   assert np.all(np.diff(dens) <= 0) and dens[20] == 0.001 and dens[-1] == 0.001
   dense = tta_systems.load_task(CONFIG, [], "dense")
   assert np.all(tta_systems.density_per_step(dense, 200, 7) == 1.0)

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import comm, hlo, wire
-from sparsejax.compress import density_schedule, exchange
+from sparsejax.compress import density_levels, density_schedule, exchange
 from sparsejax.feedback import MomentumCorrection, error_feedback
 
 AXES = ("node", "local")
@@ -268,22 +268,24 @@ def test_pairs4_is_refused_where_it_cannot_keep_its_rounding_error():
 def test_the_config_s_wire_reaches_the_plan_and_is_checked():
   """`experimental.wire="pairs4"`: its pairs are half pairs8's bytes and its dense form sends
   bfloat16 values, half float32's, so the pairs break even with the dense form at the density
-  they do in pairs8 (HiTopKComm at 2 nodes: about 0.5, so 0.64 runs the dense form in both);
-  with a momentum correction the dense form's steady steps sum float32, so 0.64's pairs run;
+  they do in pairs8 (HiTopKComm at 2 nodes: about 0.5, so a warm-up's 0.8 runs the dense form
+  in both); with a momentum correction the dense form's steady steps sum float32, so 0.8's
+  pairs run;
   refused for gTop-k and without error feedback."""
   from conftest import override
 
   from sparsejax.train import config as config_lib
   from sparsejax.train import make_plan
-  base = {"compression.warmup_epochs": 1.0, "mesh.nodes": 2, "mesh.local": 4}
+  base = {"compression.warmup_epochs": 1.0, "compression.warmup_density": 0.8,
+          "mesh.nodes": 2, "mesh.local": 4}
   eight = make_plan(config_lib.validate(override(config_lib.default_config(), base)), 100)
   four = make_plan(config_lib.validate(override(config_lib.default_config(),
                                                 {**base, "experimental.wire": "pairs4"})), 100)
-  assert eight.levels == four.levels == (0.01, 0.04, 0.16, 0.64, 1.0)
-  assert eight.dense_levels == four.dense_levels == (3,)
+  assert eight.levels == four.levels == density_levels(0.01, 0.8) and len(four.levels) == 6
+  assert eight.dense_levels == four.dense_levels == (4,)
   corrected = make_plan(config_lib.validate(override(config_lib.default_config(), {
       **base, "experimental.wire": "pairs4", "compression.momentum_correction": True})), 100)
-  assert corrected.dense_levels == ()  # (its steady steps sum float32: 0.64's pairs are less)
+  assert corrected.dense_levels == ()  # (its steady steps sum float32: 0.8's pairs are less)
   for bad, match in (({"compression.algorithm": "gtopk"}, "'pairs8' unless the sparse"),
                      ({"compression.error_feedback": False}, "error_feedback False")):
     config = override(config_lib.default_config(), {"experimental.wire": "pairs4", **bad})

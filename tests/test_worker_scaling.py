@@ -52,7 +52,8 @@ def test_a_dense_warm_up_runs_dense_exactly_where_a_level_sends_more_than_dense(
   dense = comm.wire_bytes("dense", n=N, nodes=workers, local=1)["inter"]
   costly = np.array([comm.wire_bytes(algorithm, n=N, k=round(d * N), nodes=workers,
                                      local=1)["inter"] >= dense for d in plain])
-  assert costly.any() and not costly[-1]  # the task's warm-up has such levels
+  # the task's warm-up (from 0.25) has such levels past 2 workers; at 2 its pairs cost less
+  assert costly.any() == (workers > 2) and not costly[-1]
   np.testing.assert_array_equal(dw == 1.0, costly)  # the trainer's own levels
   np.testing.assert_array_equal(dw[~costly], plain[~costly])
   with pytest.raises(ValueError, match="steps per epoch"):

@@ -277,7 +277,8 @@ def make_plan(config: Any, steps_per_epoch: int,
   sparse = algorithm in comm.SPARSE_ALGORITHMS
   dense_form = c.algorithm == "auto" or (c.dense_epochs > 0 and sparse)
   density_warmup = steps(c.warmup_epochs, spe) if c.warmup_density > c.density else 0
-  levels = density_levels(c.density) if density_warmup else (float(c.density),)
+  levels = (density_levels(c.density, c.warmup_density) if density_warmup
+            else (float(c.density),))
   stages = _stages(config.data.resize_schedule, spe, total)
   plan = Plan(
       steps_per_epoch=spe, total_steps=total, warmup_steps=warmup,

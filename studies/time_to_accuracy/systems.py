@@ -50,9 +50,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     # trust ratio of the workers' mean (experimental.lars_trust_ratio) and the density
     # warm-up 3x the recipe's (6/28 of the run: 0.43 of its 2 epochs)
     "hitopk-0.04-mc-mean-w3": ("jax", _CNN_BEST),
-    # ... at half its bytes: density 0.02, the same warm-up's length from 0.08 (a level of
-    # 0.02's: the recipe's 0.25 rounds up to 0.32, and 0.04's to 0.64, which sends more pairs'
-    # bytes than a dense exchange at 2 nodes)
+    # ... at half its bytes: density 0.02, the same warm-up's length from 0.08
     "hitopk-0.02-mc-mean-w3": ("jax", {**_CNN_BEST, "compression.density": 0.02,
                                        "compression.warmup_density": 0.08}),
     # HiTopKComm with gTop-k between the nodes (benchmarks/scale.py): k global positions
