@@ -85,19 +85,22 @@ def density_levels(density: float, start: float | None = None,
   """The static densities a schedule is rounded up to (each compiles once): without `start`,
   density * ratio**j below 1, then 1. With `start` (the schedule's first density, above
   `density`): the geometric grid from `density` to `start` in the fewest steps of at most
-  `ratio` (DGC's warm-up decays 4x a stage), then 1 above it, so that a warm-up runs its first
-  steps at the density it asks for (0.04 from 0.25: 0.04, 0.1, 0.25; not 0.16, 0.64, which
-  send 2.56x the pairs asked for) and no level is more than `ratio` above the schedule."""
+  `ratio` (DGC's warm-up decays 4x a stage; a float32 rounding of `start` does not add one),
+  then start * ratio**j below 1 (for a schedule that rises past its start), then 1, so that a
+  warm-up runs its first steps at the density it asks for (0.04 from 0.25: 0.04, 0.1, 0.25;
+  not 0.16, 0.64, which send 2.56x the pairs asked for) and no level is more than `ratio`
+  above the schedule."""
+  start = None if start is None else float(start)
   if start is None or not density < start <= 1.0:
     levels, d = [], density
-    while d < 1.0:
-      levels.append(d)
-      d *= ratio
-    return tuple(levels) + (1.0,)
-  stages = max(1, math.ceil(math.log(start / density) / math.log(ratio) - 1e-9))
-  step = (start / density) ** (1.0 / stages)
-  levels = [density * step**j for j in range(stages)] + [float(start)]
-  return tuple(levels) + ((1.0,) if start < 1.0 else ())
+  else:
+    stages = max(1, math.ceil(math.log(start / density) / math.log(ratio) - 1e-6))
+    step = (start / density) ** (1.0 / stages)
+    levels, d = [density * step**j for j in range(stages)], start
+  while d < 1.0:
+    levels.append(d)
+    d *= ratio
+  return tuple(levels) + (1.0,)
 
 
 def level_index(levels: tuple[float, ...], wanted):
@@ -154,9 +157,17 @@ def density_schedule(density: float, schedule: Callable | None = None,
   if schedule is not None and not callable(schedule):
     raise ValueError(f"schedule must be an optax schedule (count -> density) or None, got "
                      f"{schedule!r}")
-  levels = ((float(density),) if schedule is None
-            else density_levels(density, float(schedule(0))))
+  levels = (float(density),) if schedule is None else density_levels(density, _start(schedule))
   return DensitySchedule(levels, schedule, bool(dense_form))
+
+
+def _start(schedule: Callable) -> float | None:
+  """The schedule's first density, `schedule(0)` (None where it cannot be read now: a schedule
+  built under a trace; its levels are then density * 4**j)."""
+  try:
+    return float(schedule(0))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
 
 
 # ----------------------------------------------------------------------------- the options

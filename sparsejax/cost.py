@@ -1,9 +1,9 @@
 """The cost of one gradient exchange: an alpha-beta model of every algorithm of `sparsejax.comm`.
 
 One model for the studies, the projections and (later) the choice of algorithm at run time:
-`exchange_time(algorithm, n, density, cluster)` returns the seconds of each part of the exchange
-of an n-value float32 gradient on a `Cluster` (nodes x local workers; what its links and its
-workers' local work cost). Every collective is what `comm` runs:
+`exchange_time(algorithm, n, density, cluster, wire)` returns the seconds of each part of the
+exchange of an n-value float32 gradient (its pairs in `wire`'s format) on a `Cluster` (nodes x
+local workers; what its links and its workers' local work cost). Every collective is what `comm` runs:
 
   ring collectives    a ring all-reduce of B bytes over G workers: 2(G-1) steps of latency
                       alpha and 2(G-1)/G * B on each link; reduce-scatter (G-1) steps and
@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+
+from sparsejax import wire as wire_lib
 
 __all__ = ["Cluster", "exchange_time", "network_time", "NETWORK_PARTS", "VALUE_BYTES",
            "PAIR_BYTES"]
@@ -113,26 +115,31 @@ def _gtopk(parts: dict[str, float], cl: Cluster, group: int, local: int, k: int,
         2 * k * VALUE_BYTES)
 
 
-def exchange_time(algorithm: str, n: int, density: float, cl: Cluster) -> dict[str, float]:
+def exchange_time(algorithm: str, n: int, density: float, cl: Cluster,
+                  wire: str = "pairs8") -> dict[str, float]:
   """Seconds of each part of the exchange of `n` float32 values (k per worker for the flat
   algorithms, per shard of n/local for the hierarchical ones, `max(1, round(density * L))`);
-  "total" their sum."""
+  "total" their sum. `wire` (`sparsejax.wire`): the pairs' format (pairs4: 4 bytes a pair and
+  a count a block, `wire.bytes_per_worker`), and for the dense forms the values' between the
+  parties they sum over (pairs4: bfloat16, `comm.dense_sum`), as `comm.wire_bytes` counts."""
   N, G = cl.nodes, cl.local
   P = N * G
   S = n * VALUE_BYTES
+  summed = n * (2 if wire_lib.check_wire(wire) == "pairs4" else VALUE_BYTES)
   parts: dict[str, float] = {}
   if algorithm == "dense":
-    _ring(parts, cl, "allreduce", P, N > 1, 2 * (P - 1), 2 * (P - 1) / P * S, 2 * S)
+    _ring(parts, cl, "allreduce", P, N > 1, 2 * (P - 1), 2 * (P - 1) / P * summed, 2 * summed)
   elif algorithm == "hierarchical":
     _ring(parts, cl, "intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
-    _ring(parts, cl, "inter_allreduce", N, True, 2 * (N - 1), G * 2 * (N - 1) / N * S / G,
-          2 * S)
+    _ring(parts, cl, "inter_allreduce", N, True, 2 * (N - 1),
+          G * 2 * (N - 1) / N * summed / G, 2 * summed)
     _ring(parts, cl, "intra_allgather", G, False, G - 1, (G - 1) / G * S)
   elif algorithm in ("allgather", "gtopk"):
     k = max(1, round(density * n))
     parts["select"] = cl.select_s(n, k)
     if algorithm == "allgather":
-      _ring(parts, cl, "allgather", P, N > 1, P - 1, (P - 1) * k * PAIR_BYTES)
+      _ring(parts, cl, "allgather", P, N > 1, P - 1,
+            (P - 1) * sum(wire_lib.bytes_per_worker(wire, k, n)))
       # residual add, zero fill, residual update; P * k pairs scatter-added
       parts["passes"] = 3 * cl.pass_s_per_value * n + cl.pair_s * P * k
     else:
@@ -144,7 +151,8 @@ def exchange_time(algorithm: str, n: int, density: float, cl: Cluster) -> dict[s
     _ring(parts, cl, "intra_reduce_scatter", G, False, G - 1, (G - 1) / G * S)
     parts["select"] = cl.select_s(shard, k)
     if algorithm == "hitopk":
-      _ring(parts, cl, "inter_allgather", N, True, N - 1, G * (N - 1) * k * PAIR_BYTES)
+      _ring(parts, cl, "inter_allgather", N, True, N - 1,
+            G * (N - 1) * sum(wire_lib.bytes_per_worker(wire, k, n // G)))
       parts["passes"] = 3 * cl.pass_s_per_value * shard + cl.pair_s * N * k
     else:
       _gtopk(parts, cl, N, 1, k, G)
@@ -157,8 +165,9 @@ def exchange_time(algorithm: str, n: int, density: float, cl: Cluster) -> dict[s
   return parts
 
 
-def network_time(algorithm: str, n: int, density: float, cl: Cluster) -> float:
+def network_time(algorithm: str, n: int, density: float, cl: Cluster,
+                 wire: str = "pairs8") -> float:
   """The seconds of `exchange_time`'s network parts (its collectives, with gTop-k's merges
   between its rounds), without the local selection and passes."""
-  parts = exchange_time(algorithm, n, density, cl)
+  parts = exchange_time(algorithm, n, density, cl, wire)
   return sum(v for name, v in parts.items() if name in NETWORK_PARTS)

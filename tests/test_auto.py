@@ -84,6 +84,15 @@ def test_the_model_moves_a_form_s_rest_to_each_form_s_exchange(nodes, local, rea
   exchange = auto.exchange_s(link, select_s, algorithm="hitopk", n=n, density=density,
                              nodes=nodes, local=local)
   assert exchange == pytest.approx(want, rel=1e-9)
+  # in pairs4: 4 bytes a pair and a 4-byte count a 2^16-position block of the shard; the dense
+  # form's values bfloat16, or float32 where its steady steps sum float32 (a correction)
+  four = local * (nodes - 1) * (4 * k + 4 * math.ceil(shard / 2**16))
+  for dense_wire, value_bytes in (("pairs4", 2), ("pairs8", 4)):
+    got = auto.exchange_s(link, select_s, algorithm="hitopk", n=n, density=density,
+                          nodes=nodes, local=local, wire="pairs4", dense_wire=dense_wire)
+    assert got == pytest.approx({
+        "dense": want["dense"] - dense_link * (1 - value_bytes / 4) / link.bytes_per_s,
+        "sparse": want["sparse"] - (sparse_link - four) / link.bytes_per_s}, rel=1e-9)
   other = "sparse" if read == "dense" else "dense"
   rest = rng.uniform(0.05, 0.1)
   got = auto.predict({read: rest}, exchange, read)

@@ -145,17 +145,22 @@ def test_non_finite_gradient_skips_step(rng, algorithm, bad):
 
 @pytest.mark.parametrize("density,start", [(0.04, 0.25), (0.001, 0.25), (0.007, 0.3),
                                            (0.01, 1.0), (0.2, 0.5), (0.013, 0.052),
-                                           (0.013, 0.0521), (0.3, 0.31)])
+                                           (0.013, 0.0521), (0.3, 0.31),
+                                           (0.1, float(np.float32(0.4)))])
 def test_the_levels_run_a_warm_up_at_the_densities_it_asks_for(density, start):
   """With the schedule's start, the levels are the geometric grid from the density to the
-  start in the fewest steps of at most 4x (then 1): the warm-up's first steps run at its own
-  density, not up to 4x above it; without one, density x 4^j."""
+  start in the fewest steps of at most 4x, then start x 4^j below 1 and 1: the warm-up's first
+  steps run at its own density, not up to 4x above it; without one, density x 4^j. A start
+  rounded to float32 (the plan's schedule) makes the grid no longer."""
   levels = density_levels(density, start)
-  grid = levels[:-1] if start < 1 else levels
-  assert levels[-1] == 1.0 and grid[0] == density and grid[-1] == start
+  grid, above = levels[:levels.index(start) + 1], levels[levels.index(start) + 1:]
+  assert grid[0] == density and levels[-1] == 1.0
+  assert above == tuple(start * 4**j for j in range(1, 5) if start * 4**j < 1) + (1.0,) * (
+      start < 1)
+  assert len(density_levels(density, float(np.float32(start)))) == len(levels)
   steps = np.diff(np.log(np.asarray(grid)))
   np.testing.assert_allclose(steps, steps[0], rtol=1e-9)
-  assert steps[0] <= math.log(4) + 1e-12  # no level more than 4x above the schedule
+  assert steps[0] <= math.log(4) + 1e-6  # no level more than 4x above the schedule
   stages = len(grid) - 1  # ... in the fewest levels: one fewer would need more than 4x
   assert stages == 1 or (start / density) ** (1 / (stages - 1)) > 4
   np.testing.assert_allclose(density_levels(0.04, 0.25), (0.04, 0.1, 0.25, 1.0))

@@ -25,10 +25,10 @@ def test_quick_run_writes_table_curves_and_resumes(tmp_path, capsys):
   got = json.loads((tmp_path / "results" / "convergence_quick.json").read_text())
   rows = {r["variant"]: r for r in got["rows"]}
   assert set(rows) == {"dense", "hitopk-0.001-no-ef"} and rows["dense"]["vs_dense"] == 0.0
-  # dense sends everything; 13 steps of a 100-step warm-up from 0.25 (down to 0.12) stay on the
-  # density level above, 0.256 (levels 0.001 * 4**j)
+  # dense sends everything; 13 steps of a 100-step warm-up from 0.25 (down to 0.12) stay on its
+  # first level, 0.25 (the levels 0.001 x 250^(j/4))
   assert rows["dense"]["mean_density"] == 1.0
-  assert rows["hitopk-0.001-no-ef"]["mean_density"] == pytest.approx(0.256)
+  assert rows["hitopk-0.001-no-ef"]["mean_density"] == pytest.approx(0.25)
   for run in got["runs"]:
     steps = [p["step"] for p in run["curve"]]
     sent = [p["bytes"] for p in run["curve"]]

@@ -17,18 +17,21 @@ def link_only(nodes, local, **kw):
 
 
 @pytest.mark.parametrize("nodes,local", [(2, 2), (4, 1), (16, 8), (8, 4)])
-@pytest.mark.parametrize("algorithm,density", [
-    ("dense", 1.0), ("hierarchical", 1.0), ("allgather", 0.003), ("hitopk", 0.0017),
-    ("gtopk", 0.002), ("higtopk", 0.0013)])
-def test_inter_node_time_is_the_librarys_bytes(nodes, local, algorithm, density):
+@pytest.mark.parametrize("algorithm,density,wire", [
+    ("dense", 1.0, "pairs8"), ("hierarchical", 1.0, "pairs8"), ("allgather", 0.003, "pairs8"),
+    ("hitopk", 0.0017, "pairs8"), ("gtopk", 0.002, "pairs8"), ("higtopk", 0.0013, "pairs8"),
+    ("dense", 1.0, "pairs4"), ("hierarchical", 1.0, "pairs4"), ("allgather", 0.003, "pairs4"),
+    ("hitopk", 0.0017, "pairs4"), ("hitopk", 0.21, "pairs4")])
+def test_inter_node_time_is_the_librarys_bytes(nodes, local, algorithm, density, wire):
   """With only the link costing time, time = the bytes a node's link carries: comm.wire_bytes'
-  per-worker inter-node bytes times the collectives sharing the link (power-of-two groups:
-  gTop-k's worker 0 is then as busy as any)."""
+  per-worker inter-node bytes (in each wire format: pairs4's pairs and block counts, its dense
+  forms' bfloat16) times the collectives sharing the link (power-of-two groups: gTop-k's worker
+  0 is then as busy as any)."""
   n = 1_234_567 * local
-  got = cost.exchange_time(algorithm, n, density, link_only(nodes, local))["total"]
+  got = cost.exchange_time(algorithm, n, density, link_only(nodes, local), wire)["total"]
   shard = n / local if algorithm in comm.HIERARCHICAL_ALGORITHMS else n
   k = max(1, round(density * shard))
-  want = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local)["inter"]
+  want = comm.wire_bytes(algorithm, n=n, k=k, nodes=nodes, local=local, wire=wire)["inter"]
   sharing = local if algorithm in ("hitopk", "hierarchical", "higtopk") else 1
   if algorithm == "gtopk":  # the inter-node rounds: every worker of a node at once; one ring
     p = nodes * local

@@ -65,6 +65,41 @@ def test_ratios_are_taken_within_a_seed():
   assert "10mbit 4.33 / 4.33 / 4.33" in table
 
 
+def test_a_table_without_baselines_has_no_empty_column():
+  meta = {"systems": ["s"], "baselines": [], "link": "10mbit", "seeds": 1,
+          "target_metric": "loss", "task": "t", "nodes": 2, "target": 4.5, "command": "c",
+          "commit": "x", "machine": "m", "cpus": 2, "date": "d"}
+  runs = [_run("s", 0, "unlimited", 10.0, final=4.0), _run("s", 0, "10mbit", 13.0),
+          _run("dense", 0, "unlimited", 9.0, final=4.04)]
+  table = limit.make_table({"meta": meta, "runs": runs}, limit.analyse({"meta": meta,
+                                                                          "runs": runs}))
+  header, rule, row = table.splitlines()[2:5]
+  assert "|  |" not in header and "|  |" not in row
+  assert header.count("|") == rule.count("|") == row.count("|") == 9
+
+
+def test_a_stopped_run_is_resumed_only_by_its_own_command_and_commit(tmp_path):
+  """`--resume` keeps the runs a stopped command finished (each its own process's clock) and
+  runs the rest; the failed ones run again; another command's or commit's file is refused."""
+  meta = {**{k: "v" for k in limit.RESUMED_META}, "commit": "abc1234"}
+  partial = tmp_path / "x.partial.json"
+  runs = [_run("s", 0, "unlimited", 10.0, final=4.0), _run("dense", 0, "unlimited", 9.0)]
+  partial.write_text(json.dumps({"meta": {**meta, "date": "2026-12-07"}, "runs": runs,
+                                 "failed": [{"system": "s", "seed": 0, "link": "10mbit"}]}))
+  got, done = limit._resumed(str(partial), {"meta": meta, "runs": []})
+  assert done == {(0, "unlimited", "s"), (0, "unlimited", "dense")}
+  assert got["runs"] == runs and "failed" not in got
+  assert got["meta"]["date"] == "2026-12-07" and len(got["meta"]["resumed"]) == 1
+  with pytest.raises(ValueError, match="its commit is 'abc1234', this command's 'w'"):
+    limit._resumed(str(partial), {"meta": {**meta, "commit": "w"}, "runs": []})
+  with pytest.raises(ValueError, match="its cpus is 'v', this command's 16"):
+    limit._resumed(str(partial), {"meta": {**meta, "cpus": 16}, "runs": []})
+  with pytest.raises(ValueError, match="needs a committed checkout.*'abc1234\\+dirty'"):
+    limit._resumed(str(partial), {"meta": {**meta, "commit": "abc1234+dirty"}, "runs": []})
+  with pytest.raises(ValueError, match="no .*nothing.partial.json to go on from"):
+    limit._resumed(str(tmp_path / "nothing.partial.json"), {"meta": meta, "runs": []})
+
+
 def test_dense_step_over_unlimited_divides_steps_not_times():
   meta = {"systems": ["s"], "baselines": ["dense"], "links": ["1gbit", "10mbit"], "seeds": 1}
   runs = [{"system": "dense", "seed": 0, "link": link, "reached": {"step": step, "train_time_s": t}}
@@ -92,6 +127,10 @@ def test_a_bad_link_or_system_is_refused_before_any_run(capsys, tmp_path):
   assert "PyTorch's go in --baselines" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     limit.main(["--systems", "no-such-system", "--out", out])
+  (tmp_path / "x.partial.json").write_text("{}")  # a stopped command's runs: not overwritten
+  with pytest.raises(SystemExit):
+    limit.main(["--quick", "--out", out])
+  assert "go on with --resume" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -286,6 +286,9 @@ def test_the_config_s_wire_reaches_the_plan_and_is_checked():
   corrected = make_plan(config_lib.validate(override(config_lib.default_config(), {
       **base, "experimental.wire": "pairs4", "compression.momentum_correction": True})), 100)
   assert corrected.dense_levels == ()  # (its steady steps sum float32: 0.8's pairs are less)
+  assert (eight.wire, eight.dense_wire, four.wire, four.dense_wire) == (
+      "pairs8", "pairs8", "pairs4", "pairs4")
+  assert (corrected.wire, corrected.dense_wire) == ("pairs4", "pairs8")  # (auto's model reads)
   for bad, match in (({"compression.algorithm": "gtopk"}, "'pairs8' unless the sparse"),
                      ({"compression.error_feedback": False}, "error_feedback False")):
     config = override(config_lib.default_config(), {"experimental.wire": "pairs4", **bad})

@@ -29,7 +29,7 @@ import optax
 
 from sparsejax import comm, optim
 from sparsejax.compress import (
-  density_schedule,
+  DensitySchedule,
   exchange,
   send_whole,
   tensor_balance,
@@ -145,7 +145,7 @@ def compressor(config: Any, plan: Any, correction: Correction | None = None,
   whole = (send_whole(layout.leaf_mask(lambda t: jax.tree.map(lambda x: len(x.shape) <= 1, t)))
            if e.whole_vectors else None)
   balance = tensor_balance(layout.segment_ids) if e.balance == "tensor" else None
-  levels = density_schedule(c.density, plan.density_schedule(), plan.dense_form)
+  levels = DensitySchedule(plan.levels, plan.density_schedule(), plan.dense_form)  # (the plan's)
   collective = comm.sparse_collective(plan.algorithm, WORKERS, e.wire)
   feedback = error_feedback(correction) if c.error_feedback else None
   return exchange(collective, levels, feedback=feedback, selector=c.selector, balance=balance,

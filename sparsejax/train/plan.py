@@ -81,6 +81,8 @@ class Plan:
   workers: (nodes, local) the exchange's bytes are counted at (None: not known, no level is
     replaced). dense_levels: the sparse levels whose pairs would send more bytes than the dense
     form at `workers`: they run the dense form.
+  wire: the pairs' format (`experimental.wire`). dense_wire: what the dense form's steady
+    steps send in (`compress.steady_wire`: float32 with a correction).
   """
 
   steps_per_epoch: int
@@ -101,6 +103,8 @@ class Plan:
   pipeline_start: int
   workers: tuple[int, int] | None = None
   dense_levels: tuple[int, ...] = ()
+  wire: str = "pairs8"
+  dense_wire: str = "pairs8"
 
   def steps(self, epochs: float) -> int:
     """`steps(epochs, self.steps_per_epoch)`."""
@@ -298,5 +302,5 @@ def make_plan(config: Any, steps_per_epoch: int,
                                                      dense_wire)
                        if any(level == i for _, level in level_steps))
   return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
-                             dense_levels=dense_levels,
+                             dense_levels=dense_levels, wire=wire, dense_wire=dense_wire,
                              dense_form=plan.dense_form or bool(dense_levels))

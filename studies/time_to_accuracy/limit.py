@@ -21,7 +21,9 @@ baseline's time at the link over the system's; the final metric against dense's.
 is swept or modelled: every time is a run's own clock from its first step to the evaluation
 that reached the target (evaluations not counted). With more than one link the command also
 plots each system's and baseline's time to target against the link (`--out`'s .png: every
-point trained end to end).
+point trained end to end). Each run's record is written as it ends (`--out`'s .partial.json);
+a command stopped part way goes on with `--resume` (the same command at the same commit): the
+runs it finished stand, each its own process's clock, and only the others run.
 """
 
 from __future__ import annotations
@@ -147,23 +149,22 @@ def make_table(results: dict, analysis: dict) -> str:
            f"emulated nodes, every system trained end to end at each link (seeds: min / median "
            f"/ max; ratios each within one seed; evaluations not counted). Limit ratio: the "
            f"time at {named} over the same system's at the unlimited link.", "",
-           "| system | link | steps to target | time to target s, unlimited | time to target s, "
-           "at the link | limit ratio | limit ratio after the dense start | "
-           + " | ".join(f"{b} / system" for b in meta["baselines"])
-           + f" | final {metric} - dense's ({unit}) |",
+           "| " + " | ".join([
+               "system", "link", "steps to target", "time to target s, unlimited",
+               "time to target s, at the link", "limit ratio",
+               "limit ratio after the dense start", *(f"{b} / system" for b in meta["baselines"]),
+               f"final {metric} - dense's ({unit})"]) + " |",
            "|---|---|" + "---:|" * (6 + len(meta["baselines"]))]
   for system, a in analysis.items():
     steps = [r["reached"]["step"] for r in results["runs"]
              if r["system"] == system and r["link"] == UNLIMITED and r["reached"]]
     for link in links:
       at = a["links"][link]
-      lines.append(
-          f"| {system} | {link} | {_range(steps, 0)} | "
-          f"{_range(_times(results, system, UNLIMITED), 1)} | "
-          f"{_range(_times(results, system, link), 1)} | {_range(at['limit'])} | "
-          f"{_range(at['limit_after_dense'])} | "
-          + " | ".join(_range(at[f"{b}_over"]) for b in meta["baselines"])
-          + f" | {_range(a['final_vs_dense'], 2)} |")
+      lines.append("| " + " | ".join([
+          system, link, _range(steps, 0), _range(_times(results, system, UNLIMITED), 1),
+          _range(_times(results, system, link), 1), _range(at["limit"]),
+          _range(at["limit_after_dense"]), *(_range(at[f"{b}_over"]) for b in meta["baselines"]),
+          _range(a["final_vs_dense"], 2)]) + " |")
   rest = [b for b in meta["baselines"] if b not in analysis]
   if rest:
     lines += ["", "| baseline | " + " | ".join(
@@ -181,8 +182,9 @@ def make_table(results: dict, analysis: dict) -> str:
   failed = [f"{f['system']} seed {f['seed']} at {f['link']}" for f in results.get("failed", [])]
   if missed or failed:
     lines += ["", "Not at the target: " + "; ".join(missed + failed) + "."]
+  resumed = "".join(f", resumed {r}" for r in meta.get("resumed", []))
   lines += ["", f"Command: `{meta['command']}`; commit {meta['commit']}; machine: "
-            f"{meta['machine']} ({meta['cpus']} cores); date: {meta['date']}."]
+            f"{meta['machine']} ({meta['cpus']} cores); date: {meta['date']}{resumed}."]
   return "\n".join(lines)
 
 
@@ -238,6 +240,34 @@ def write(out: str, results: dict) -> str:
   return md
 
 
+RESUMED_META = ("task", "target", "target_metric", "config", "sets", "systems", "baselines",
+                "links", "seeds", "nodes", "local", "commit", "machine", "cpus")
+
+
+def _resumed(partial: str, fresh: dict) -> tuple[dict, set[tuple[int, str, str]]]:
+  """A stopped command's results (`partial`, written after each run) to go on from, and the
+  (seed, link, system) runs they hold: each run is its own process's clock, so a finished one
+  stands; the failed ones run again. Refused where the command (its systems, links, seeds,
+  task), the commit or the machine differ from `fresh`'s, or the checkout is not a commit
+  (uncommitted changes: two such trees would pass for one)."""
+  commit = fresh["meta"]["commit"]
+  if commit == "unknown" or commit.endswith("+dirty"):
+    raise ValueError(f"--resume needs a committed checkout (commit {commit!r}): a run's code "
+                     "must be what its results say")
+  if not os.path.exists(partial):
+    raise ValueError(f"--resume: there is no {partial} to go on from (a stopped command "
+                     "leaves it beside --out)")
+  with open(partial) as f:
+    old = json.load(f)
+  for key in RESUMED_META:
+    if old["meta"].get(key) != fresh["meta"][key]:
+      raise ValueError(f"--resume: {partial} comes from another command or commit: its {key} "
+                       f"is {old['meta'].get(key)!r}, this command's {fresh['meta'][key]!r}")
+  old["meta"].setdefault("resumed", []).append(time.strftime("%Y-%m-%d %H:%M"))
+  old.pop("failed", None)
+  return old, {(r["seed"], r["link"], r["system"]) for r in old["runs"]}
+
+
 def _row(raw: dict, system: str, seed: int, link: str, whole: bool, config, dense_steps: int
          ) -> dict:
   """A run's record: the evaluation that reached the target, the time from the first
@@ -274,6 +304,9 @@ def main(argv=None) -> int:
                   help="CI smoke run: the study's --quick task, hitopk-0.01 against dense at "
                   "200 Mbit/s, 1 seed")
   ap.add_argument("--out", type=json_path, default=os.path.join(HERE, "results", "limit.json"))
+  ap.add_argument("--resume", action="store_true",
+                  help="go on from the .partial.json beside --out that a stopped run of the "
+                  "same command and commit left, running only the runs it lacks")
   ap.add_argument("--from-results", metavar="JSON",
                   help="no runs: analyse a results file again, writing --out's table")
   args = ap.parse_args(argv)
@@ -320,9 +353,20 @@ def main(argv=None) -> int:
       "machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
       "commit": git_commit(), "command": command_line(MODULE, argv_used)}, "runs": []}
   partial = os.path.splitext(args.out)[0] + ".partial.json"
+  done: set[tuple[int, str, str]] = set()
+  if args.resume:
+    try:
+      results, done = _resumed(partial, results)
+    except ValueError as e:
+      ap.error(str(e))
+  elif os.path.exists(partial):
+    ap.error(f"{partial} holds the runs of a stopped command: go on with --resume, or remove "
+             "it to start again")
   with cluster.EmulatedCluster(config.mesh.nodes, None,
                                prefix=f"lim{uuid.uuid4().hex[:6]}") as c:
     for seed, name, system, whole in schedule(systems, baselines, list(rates), args.seeds):
+      if (seed, name, system) in done:
+        continue
       cfg = load_task(args.config, args.sets, system, seed)
       rate = None if name == UNLIMITED else rates[name]
       extra = ["--seed", str(seed), "--bandwidths", "[]", "--headline", json.dumps(rate),
@@ -335,7 +379,8 @@ def main(argv=None) -> int:
         continue
       dense_steps = (make_plan(cfg, steps_per_epoch).dense_steps
                      if system_spec(system)[0] == "jax" else 0)
-      row = _row(raw, system, seed, name, whole, cfg, dense_steps)
+      row = {**_row(raw, system, seed, name, whole, cfg, dense_steps),
+             "ended": time.strftime("%Y-%m-%d %H:%M")}
       results["runs"].append(row)
       print(json.dumps({k: row[k] for k in ("system", "seed", "link", "reached", "final")}),
             flush=True)

@@ -237,7 +237,8 @@ class AutoExchange:
     final one)."""
     return exchange_s(link, self._select_s or 0.0, algorithm=self.options.sparse, n=self.n,
                       nodes=self.nodes, local=self.local,
-                      density=density or self.compression.density)
+                      density=density or self.compression.density, wire=self.plan.wire,
+                      dense_wire=self.plan.dense_wire)
 
   def _read(self, untimed: list[float]) -> Link:
     """The link read by the probes (the slowest process's reads, so every process decides

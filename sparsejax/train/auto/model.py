@@ -2,7 +2,8 @@
 no clock).
 
 A step of form f takes c_f + x_f: x_f its exchange on the link read now (the library's cost
-model, `sparsejax.cost.exchange_time`, with the sparse form's selection as probed), c_f the rest
+model, `sparsejax.cost.exchange_time`, in the run's wire format, `Plan.wire` and the dense
+form's `Plan.dense_wire`, with the sparse form's selection as probed), c_f the rest
 (the forward and backward pass, the update, the host's part), read from the run's own steps of
 that form as their time less their modelled exchange, or, for a form not yet run, the other
 form's rest (both run the same pass and update). The sparse form needs F times dense's steps
@@ -65,12 +66,15 @@ def _cluster(link: Link, select_s: float, nodes: int, local: int) -> cost.Cluste
 
 
 def exchange_s(link: Link, select_s: float, *, algorithm: str, n: int, density: float,
-               nodes: int, local: int) -> dict[str, float]:
-  """The modelled seconds of each form's exchange on `link` (the sparse form's at `density`,
-  its local work `select_s` included): {"dense": ..., "sparse": ...}."""
+               nodes: int, local: int, wire: str = "pairs8",
+               dense_wire: str | None = None) -> dict[str, float]:
+  """The modelled seconds of each form's exchange on `link` (the sparse form's at `density`
+  in `wire`, its local work `select_s` included; the dense form's in `dense_wire`, by default
+  `wire`: what its steady steps send, `Plan.dense_wire`): {"dense": ..., "sparse": ...}."""
   cl = _cluster(link, select_s, nodes, local)
-  return {"dense": cost.exchange_time(comm.dense_form(algorithm), n, 1.0, cl)["total"],
-          "sparse": cost.exchange_time(algorithm, n, density, cl)["total"]}
+  dense = comm.dense_form(algorithm)
+  return {"dense": cost.exchange_time(dense, n, 1.0, cl, dense_wire or wire)["total"],
+          "sparse": cost.exchange_time(algorithm, n, density, cl, wire)["total"]}
 
 
 def predict(rest: dict[str, float], exchange: dict[str, float], observed: str
