@@ -3,7 +3,8 @@
 One model for the studies, the projections and (later) the choice of algorithm at run time:
 `exchange_time(algorithm, n, density, cluster, wire)` returns the seconds of each part of the
 exchange of an n-value float32 gradient (its pairs in `wire`'s format) on a `Cluster` (nodes x
-local workers; what its links and its workers' local work cost). Every collective is what `comm` runs:
+local workers; what its links and its workers' local work cost). Every collective is what
+`comm` runs:
 
   ring collectives    a ring all-reduce of B bytes over G workers: 2(G-1) steps of latency
                       alpha and 2(G-1)/G * B on each link; reduce-scatter (G-1) steps and
