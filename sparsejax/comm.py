@@ -50,7 +50,8 @@ __all__ = ["dense_allreduce", "hierarchical_allreduce", "SparseCollective", "spa
            "hitopk_allreduce", "gtopk_allreduce", "higtopk_allreduce", "gtopk_positions",
            "gtopk_sums", "merge_top", "gtopk_settle", "gather_pairs", "scatter_pairs",
            "settle", "settle_dense", "settle_dense_kept", "dense_sum",
-           "dense_parties", "gather_dense", "dense_form", "wire_bytes",
+           "dense_parties", "gather_dense", "dense_form", "wire_bytes", "steady_wire",
+           "denser_than_dense",
            "axis_size", "axis_names",
            "ALGORITHMS", "SPARSE_ALGORITHMS", "HIERARCHICAL_ALGORITHMS"]
 
@@ -248,10 +249,9 @@ def dense_sum(x: jax.Array, parties: tuple[str, ...], wire: str = "pairs8"
   all-gathered: 4 (G-1)/G bytes a value per worker against float32's ring all-reduce's 8 (G-1)/G,
   and `sum + kept summed over the parties` is the sum of `x` (each rounding error stays with
   the worker that made it, to be sent next step). Over one worker, `(x, 0)`."""
-  size = axis_size(parties)
+  n, size = _check_1d(x, "dense_sum"), axis_size(parties)
   if wire_lib.check_wire(wire) == "pairs8":
     return lax.psum(x, parties), jnp.zeros_like(x)
-  n = _check_1d(x, "dense_sum")
   if size == 1:
     return x, jnp.zeros_like(x)
   sent, kept = wire_lib.round_values(x)
@@ -697,6 +697,35 @@ def wire_bytes(algorithm: str, *, n: int, k: int = 0, nodes: int, local: int,
       _gtopk_bytes(add, nodes, 1, k, value_bytes, index_bytes)
     add(local, False, (local - 1) / local * n * value_bytes)
   return out
+
+
+def steady_wire(wire: str, corrected: bool) -> str:
+  """The wire of an exchange's dense form in its steady steps (`compress._steady`): `wire`
+  without a correction; float32 (pairs8) with one, whose residual holds the correction's
+  candidates, where a gradient's rounding error has no place."""
+  return "pairs8" if corrected else wire_lib.check_wire(wire)
+
+
+def denser_than_dense(algorithm: str, densities: tuple[float, ...], nodes: int, local: int,
+                      wire: str = "pairs8", dense_wire: str | None = None) -> tuple[int, ...]:
+  """The indices of `densities` whose pairs in `wire` would send more bytes than the dense form
+  of `algorithm` in `dense_wire` (default `wire`; what a dense level's steps send but for its
+  first: `steady_wire`) at `nodes` x `local` workers: `wire_bytes` on a shard of 2^20 values
+  (the ratio does not depend on the buffer but through k's rounding and pairs4's block
+  counts). () for the dense algorithms."""
+  if algorithm not in SPARSE_ALGORITHMS:
+    return ()
+  shard = 1 << 20
+  n = shard * (local if algorithm in HIERARCHICAL_ALGORITHMS else 1)
+  dense = wire_bytes(dense_form(algorithm), n=n, nodes=nodes, local=local,
+                     wire=dense_wire or wire)
+  out = []
+  for i, d in enumerate(densities):
+    pairs = wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes, local=local,
+                       wire=wire)
+    if pairs["inter"] + pairs["intra"] > dense["inter"] + dense["intra"]:
+      out.append(i)
+  return tuple(out)
 
 
 def _gtopk_bytes(add: Callable[[int, bool, float], None], p: int, local: int, k: int,

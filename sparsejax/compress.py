@@ -55,8 +55,7 @@ from sparsejax.flat import FlatLayout
 
 __all__ = ["ExchangeState", "exchange", "topk_allreduce", "dense_mean", "hierarchical_mean",
            "DensitySchedule", "density_schedule", "density_levels", "level_index",
-           "TensorBalance", "tensor_balance", "tensor_weights", "SendWhole", "send_whole",
-           "steady_wire"]
+           "TensorBalance", "tensor_balance", "tensor_weights", "SendWhole", "send_whole"]
 
 
 class ExchangeState(NamedTuple):
@@ -409,7 +408,10 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
   _check_pieces(collective, levels, feedback, balance, whole)
   select = topk_lib.get_selector(selector)
   hierarchical = collective.name in comm.HIERARCHICAL_ALGORITHMS
-  pieces = _Pieces(collective, feedback, select, balance, whole)
+  # the wire of the dense form's steady step: float32 with a correction (`_steady`)
+  steady_wire = comm.steady_wire(collective.wire,
+                                 feedback is not None and feedback.correction is not None)
+  pieces = _Pieces(collective, feedback, select, balance, whole, steady_wire)
 
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"exchange({collective.name!r})", collective.axes)
@@ -429,7 +431,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     index = levels.index(state.count, density_level)
     density = jnp.asarray(levels.levels + (1.0, 1.0), jnp.float32)[index]
     sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
-                       whole, _steady_wire(collective, feedback))[index]
+                       whole, steady_wire)[index]
 
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
@@ -475,6 +477,7 @@ class _Pieces(NamedTuple):
   select: Callable
   balance: TensorBalance | None
   whole: SendWhole | None
+  steady_wire: str  # the dense form's steady step's (`comm.steady_wire`)
 
 
 def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | None,
@@ -508,16 +511,6 @@ def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | Non
       second=None if memory.second is None else lax.pmean(memory.second, parties))
 
 
-def steady_wire(wire: str, corrected: bool) -> str:
-  """The wire of the dense form's steady step for an exchange in `wire`: `wire` without a
-  correction, else pairs8 (float32: see `_steady`). The plan's byte rule reads it too."""
-  return "pairs8" if corrected else wire
-
-
-def _steady_wire(collective: comm.SparseCollective, feedback: ErrorFeedback | None) -> str:
-  return steady_wire(collective.wire, feedback is not None and feedback.correction is not None)
-
-
 def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array,
             scale: int) -> tuple[jax.Array, Feedback]:
   """The dense form's steady step: `part` summed over the parties first, then the correction
@@ -528,11 +521,11 @@ def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array
   without a correction the residual holds the last rounding errors (gradient and candidate
   are one), sent with `part` (`comm.dense_sum`) and replaced by this step's; with a correction
   the sum stays float32 (the residual holds candidates, the correction's units, and a
-  gradient's rounding error would have no place in it: `_steady_wire`)."""
+  gradient's rounding error would have no place in it: `comm.steady_wire`)."""
   collective = pieces.collective
   parties = comm.dense_parties(collective)
   count_parties = comm.axis_size(parties)
-  if _steady_wire(collective, pieces.feedback) == "pairs8":
+  if pieces.steady_wire == "pairs8":
     summed = lax.psum(part, parties)
   else:
     summed, kept = comm.dense_sum(part + memory.residual, parties, collective.wire)

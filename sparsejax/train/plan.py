@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import comm
-from sparsejax.compress import density_levels, level_index, steady_wire
+from sparsejax.compress import density_levels, level_index
 
 __all__ = ["steps", "Plan", "make_plan", "FORMS", "at"]
 
@@ -82,7 +82,7 @@ class Plan:
     replaced). dense_levels: the sparse levels whose pairs would send more bytes than the dense
     form at `workers`: they run the dense form.
   wire: the pairs' format (`experimental.wire`). dense_wire: what the dense form's steady
-    steps send in (`compress.steady_wire`: float32 with a correction).
+    steps send in (`comm.steady_wire`: float32 with a correction).
   """
 
   steps_per_epoch: int
@@ -243,30 +243,6 @@ def _stages(resize_schedule: Any, spe: int, total: int) -> tuple[tuple[int, int 
   return tuple(table) or ((0, None),)
 
 
-def _denser_than_dense(algorithm: str, levels: tuple[float, ...],
-                       workers: tuple[int, int] | None, wire: str,
-                       dense_wire: str) -> tuple[int, ...]:
-  """The levels whose pairs (in the `wire` format) would send more bytes than the dense form of
-  `algorithm` in `dense_wire` (the wire of its steady steps, which a dense level runs but for
-  its first step: pairs4's bfloat16 values, float32 with a correction: `compress._steady`) at
-  `workers` = (nodes, local) (`comm.wire_bytes` on a shard of 2^20 values: the
-  ratio does not depend on the buffer but through k's rounding and pairs4's block counts)."""
-  if workers is None or algorithm not in comm.SPARSE_ALGORITHMS:
-    return ()
-  nodes, local = workers
-  shard = 1 << 20
-  n = shard * (local if algorithm in comm.HIERARCHICAL_ALGORITHMS else 1)
-  dense = comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local,
-                         wire=dense_wire)
-  out = []
-  for i, d in enumerate(levels):
-    pairs = comm.wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes,
-                            local=local, wire=wire)
-    if pairs["inter"] + pairs["intra"] > dense["inter"] + dense["intra"]:
-      out.append(i)
-  return tuple(out)
-
-
 def make_plan(config: Any, steps_per_epoch: int,
               workers: tuple[int, int] | None = None) -> Plan:
   """The plan of a validated config for data of `steps_per_epoch` global batches an epoch, on
@@ -296,11 +272,11 @@ def make_plan(config: Any, steps_per_epoch: int,
       stage_ends=tuple(s for s, _ in stages[1:]) if config.eval_at_stage_boundaries else (),
       pipeline_start=steps(config.overlap.from_epochs, spe))
   level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
-  wire = config.experimental.wire
-  dense_wire = steady_wire(wire, corrected=bool(c.momentum_correction))
-  dense_levels = tuple(i for i in _denser_than_dense(algorithm, levels, workers, wire,
-                                                     dense_wire)
-                       if any(level == i for _, level in level_steps))
+  wire, dense_wire = config.experimental.wire, comm.steady_wire(config.experimental.wire,
+                                                                 bool(c.momentum_correction))
+  dense_levels = () if workers is None else tuple(
+      i for i in comm.denser_than_dense(algorithm, levels, *workers, wire, dense_wire)
+      if any(level == i for _, level in level_steps))
   return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
                              dense_levels=dense_levels, wire=wire, dense_wire=dense_wire,
                              dense_form=plan.dense_form or bool(dense_levels))
