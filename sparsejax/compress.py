@@ -406,12 +406,8 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     `init` and `update` must run where the axes are bound (inside `shard_map` or `pmap`).
   """
   _check_pieces(collective, levels, feedback, balance, whole)
-  select = topk_lib.get_selector(selector)
   hierarchical = collective.name in comm.HIERARCHICAL_ALGORITHMS
-  # the wire of the dense form's steady step: float32 with a correction (`_steady`)
-  steady_wire = comm.steady_wire(collective.wire,
-                                 feedback is not None and feedback.correction is not None)
-  pieces = _Pieces(collective, feedback, select, balance, whole, steady_wire)
+  pieces = _pieces(collective, feedback, topk_lib.get_selector(selector), balance, whole)
 
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"exchange({collective.name!r})", collective.axes)
@@ -431,7 +427,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     index = levels.index(state.count, density_level)
     density = jnp.asarray(levels.levels + (1.0, 1.0), jnp.float32)[index]
     sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
-                       whole, steady_wire)[index]
+                       whole, pieces.steady_wire)[index]
 
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
@@ -439,7 +435,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
         if feedback is None and level is None:  # no memory: everything, or the top k sent
           return comm.settle_dense(collective, part), None
         if feedback is None:
-          values, indices = select(part, max(1, round(level * part_len)))
+          values, indices = pieces.select(part, max(1, round(level * part_len)))
           kept = Feedback(part.at[indices].set(0, unique_indices=True))
           return comm.settle(collective, values, indices, kept, part_len, False)[0], None
         term, memory = feedback.candidates(part, memory, state.count,
@@ -478,6 +474,15 @@ class _Pieces(NamedTuple):
   balance: TensorBalance | None
   whole: SendWhole | None
   steady_wire: str  # the dense form's steady step's (`comm.steady_wire`)
+
+
+def _pieces(collective: comm.SparseCollective, feedback: ErrorFeedback | None,
+            select: Callable, balance: TensorBalance | None, whole: SendWhole | None) -> _Pieces:
+  """The pieces, with the wire of the dense form's steady step: float32 with a correction
+  (`_steady`)."""
+  corrected = feedback is not None and feedback.correction is not None
+  return _Pieces(collective, feedback, select, balance, whole,
+                 comm.steady_wire(collective.wire, corrected))
 
 
 def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | None,
