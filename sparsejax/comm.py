@@ -707,18 +707,18 @@ def steady_wire(wire: str, corrected: bool) -> str:
 
 
 def denser_than_dense(algorithm: str, densities: tuple[float, ...], nodes: int, local: int,
-                      wire: str = "pairs8", dense_wire: str | None = None) -> tuple[int, ...]:
+                      wire: str = "pairs8", corrected: bool = False) -> tuple[int, ...]:
   """The indices of `densities` whose pairs in `wire` would send more bytes than the dense form
-  of `algorithm` in `dense_wire` (default `wire`; what a dense level's steps send but for its
-  first: `steady_wire`) at `nodes` x `local` workers: `wire_bytes` on a shard of 2^20 values
-  (the ratio does not depend on the buffer but through k's rounding and pairs4's block
-  counts). () for the dense algorithms."""
+  of `algorithm` in what a dense level's steps send but for its first (`steady_wire(wire,
+  corrected)`: float32 with a correction) at `nodes` x `local` workers: `wire_bytes` on a
+  shard of 2^20 values (the ratio does not depend on the buffer but through k's rounding and
+  pairs4's block counts). () for the dense algorithms."""
   if algorithm not in SPARSE_ALGORITHMS:
     return ()
   shard = 1 << 20
   n = shard * (local if algorithm in HIERARCHICAL_ALGORITHMS else 1)
   dense = wire_bytes(dense_form(algorithm), n=n, nodes=nodes, local=local,
-                     wire=dense_wire or wire)
+                     wire=steady_wire(wire, corrected))
   out = []
   for i, d in enumerate(densities):
     pairs = wire_bytes(algorithm, n=n, k=max(1, round(d * shard)), nodes=nodes, local=local,

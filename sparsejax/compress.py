@@ -346,7 +346,7 @@ def hierarchical_mean(node_axis: str = "node", local_axis: str = "local"
 
 def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
                 levels: tuple[float, ...], nodes: int, local: int,
-                whole: SendWhole | None, steady_wire: str = "pairs8") -> jax.Array:
+                whole: SendWhole | None, corrected: bool = False) -> jax.Array:
   """float32[len(levels) + 2]: a worker's bytes sent at each level (with `whole`, its
   positions' all-reduce too), and in the dense form and its steady step."""
   algorithm = collective.name
@@ -355,7 +355,8 @@ def _bytes_sent(collective: comm.SparseCollective, n: int, part_len: int,
   sent = [comm.wire_bytes(algorithm, n=n, k=max(1, round(lv * part_len)), nodes=nodes,
                           local=local, wire=collective.wire) for lv in levels]
   dense, steady = (comm.wire_bytes(comm.dense_form(algorithm), n=n, nodes=nodes, local=local,
-                                   wire=w) for w in (collective.wire, steady_wire))
+                                   wire=w) for w in (collective.wire,
+                                                     comm.steady_wire(collective.wire, corrected)))
   return jnp.asarray([s["inter"] + s["intra"] + extra for s in sent]
                      + [dense["inter"] + dense["intra"], steady["inter"] + steady["intra"]],
                      jnp.float32)
@@ -407,7 +408,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
   """
   _check_pieces(collective, levels, feedback, balance, whole)
   hierarchical = collective.name in comm.HIERARCHICAL_ALGORITHMS
-  pieces = _pieces(collective, feedback, topk_lib.get_selector(selector), balance, whole)
+  pieces = _Pieces(collective, feedback, topk_lib.get_selector(selector), balance, whole)
 
   def shapes(tree: Any) -> tuple[FlatLayout, int, int, int]:
     nodes, local = _workers(f"exchange({collective.name!r})", collective.axes)
@@ -427,7 +428,7 @@ def exchange(collective: comm.SparseCollective, levels: DensitySchedule, *,
     index = levels.index(state.count, density_level)
     density = jnp.asarray(levels.levels + (1.0, 1.0), jnp.float32)[index]
     sent = _bytes_sent(collective, layout.padded_size, part_len, levels.levels, nodes, local,
-                       whole, pieces.steady_wire)[index]
+                       whole, pieces.corrected)[index]
 
     def at(level: float | None) -> Callable:
       """This step at `level` (None: the dense form): `(part, memory) -> (total, memory)`."""
@@ -473,16 +474,12 @@ class _Pieces(NamedTuple):
   select: Callable
   balance: TensorBalance | None
   whole: SendWhole | None
-  steady_wire: str  # the dense form's steady step's (`comm.steady_wire`)
 
-
-def _pieces(collective: comm.SparseCollective, feedback: ErrorFeedback | None,
-            select: Callable, balance: TensorBalance | None, whole: SendWhole | None) -> _Pieces:
-  """The pieces, with the wire of the dense form's steady step: float32 with a correction
-  (`_steady`)."""
-  corrected = feedback is not None and feedback.correction is not None
-  return _Pieces(collective, feedback, select, balance, whole,
-                 comm.steady_wire(collective.wire, corrected))
+  @property
+  def corrected(self) -> bool:
+    """Whether a correction runs (the dense form's steady steps then sum float32:
+    `comm.steady_wire`)."""
+    return self.feedback is not None and self.feedback.correction is not None
 
 
 def _send(pieces: _Pieces, term: jax.Array, memory: Feedback, level: float | None,
@@ -530,7 +527,7 @@ def _steady(pieces: _Pieces, part: jax.Array, memory: Feedback, count: jax.Array
   collective = pieces.collective
   parties = comm.dense_parties(collective)
   count_parties = comm.axis_size(parties)
-  if pieces.steady_wire == "pairs8":
+  if comm.steady_wire(collective.wire, pieces.corrected) == "pairs8":
     summed = lax.psum(part, parties)
   else:
     summed, kept = comm.dense_sum(part + memory.residual, parties, collective.wire)

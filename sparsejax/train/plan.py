@@ -81,8 +81,9 @@ class Plan:
   workers: (nodes, local) the exchange's bytes are counted at (None: not known, no level is
     replaced). dense_levels: the sparse levels whose pairs would send more bytes than the dense
     form at `workers`: they run the dense form.
-  wire: the pairs' format (`experimental.wire`). dense_wire: what the dense form's steady
-    steps send in (`comm.steady_wire`: float32 with a correction).
+  wire: the pairs' format (`experimental.wire`). corrected: whether a momentum or Adam
+    correction runs in the exchange (its dense form's steady steps then send float32:
+    `dense_wire`).
   """
 
   steps_per_epoch: int
@@ -104,7 +105,7 @@ class Plan:
   workers: tuple[int, int] | None = None
   dense_levels: tuple[int, ...] = ()
   wire: str = "pairs8"
-  dense_wire: str = "pairs8"
+  corrected: bool = False
 
   def steps(self, epochs: float) -> int:
     """`steps(epochs, self.steps_per_epoch)`."""
@@ -114,6 +115,11 @@ class Plan:
   def sparse(self) -> bool:
     """Whether the compressor is a sparse exchange (with levels), not a dense baseline."""
     return self.algorithm in comm.SPARSE_ALGORITHMS
+
+  @property
+  def dense_wire(self) -> str:
+    """The wire the dense form's steady steps send in (`comm.steady_wire`)."""
+    return comm.steady_wire(self.wire, self.corrected)
 
   @property
   def dense_level(self) -> int | None:
@@ -272,11 +278,10 @@ def make_plan(config: Any, steps_per_epoch: int,
       stage_ends=tuple(s for s, _ in stages[1:]) if config.eval_at_stage_boundaries else (),
       pipeline_start=steps(config.overlap.from_epochs, spe))
   level_steps = _level_steps(levels, plan.density_schedule(), min(density_warmup, total - 1))
-  wire, dense_wire = config.experimental.wire, comm.steady_wire(config.experimental.wire,
-                                                                 bool(c.momentum_correction))
+  wire, corrected = config.experimental.wire, bool(c.momentum_correction)
   dense_levels = () if workers is None else tuple(
-      i for i in comm.denser_than_dense(algorithm, levels, *workers, wire, dense_wire)
+      i for i in comm.denser_than_dense(algorithm, levels, *workers, wire, corrected)
       if any(level == i for _, level in level_steps))
   return dataclasses.replace(plan, level_steps=level_steps, workers=workers,
-                             dense_levels=dense_levels, wire=wire, dense_wire=dense_wire,
+                             dense_levels=dense_levels, wire=wire, corrected=corrected,
                              dense_form=plan.dense_form or bool(dense_levels))
