@@ -204,9 +204,12 @@ def _run(*cmd: str) -> None:
 
 
 def set_link_rate(prefix: str, nodes: int, rate_bps: int | None,
-                  burst_bytes: int = 16 * 1024) -> None:
+                  burst_bytes: int = 16 * 1024, queue_s: float = 0.4) -> None:
   """Sets the tc limit of both ends of each node's veth in the cluster named `prefix` (see
-  `EmulatedCluster`) to `rate_bps` (None: removes the limit). Root only."""
+  `EmulatedCluster`) to `rate_bps` (None: removes the limit), queueing at most `queue_s` of
+  traffic at that rate before dropping. Root only."""
+  if not 0.001 <= queue_s <= 10:
+    raise ValueError(f"queue_s must be in [0.001, 10] seconds, got {queue_s}")
   for i in range(nodes):
     for ns, dev in ((f"{prefix}-n{i}", "eth0"), (f"{prefix}-br", f"p{i}")):  # both directions
       if rate_bps is None:
@@ -214,7 +217,8 @@ def set_link_rate(prefix: str, nodes: int, rate_bps: int | None,
                        timeout=30)  # fails harmlessly when there is no limit
       else:
         _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-             f"{int(rate_bps)}bit", "burst", str(burst_bytes), "latency", "400ms")
+             f"{int(rate_bps)}bit", "burst", str(burst_bytes), "latency",
+             f"{round(queue_s * 1000)}ms")
 
 
 def link_sent_bytes(dev: str = "eth0") -> int:
@@ -271,6 +275,7 @@ class EmulatedCluster:
   nodes: int
   rate_bps: int | None  # None: unlimited (no qdisc)
   burst_bytes: int = 16 * 1024
+  queue_s: float = 0.4  # tc tbf's latency: the most traffic a link queues, in seconds at its rate
   prefix: str = dataclasses.field(default_factory=lambda: f"sjx{uuid.uuid4().hex[:6]}")
 
   def __post_init__(self):
@@ -335,7 +340,7 @@ class EmulatedCluster:
   def set_rate(self, rate_bps: int | None) -> None:
     """Limits every node's link to `rate_bps` each way from now on (None: unlimited); may be
     called while processes run on the cluster (from any process, as root)."""
-    set_link_rate(self.prefix, self.nodes, rate_bps, self.burst_bytes)
+    set_link_rate(self.prefix, self.nodes, rate_bps, self.burst_bytes, self.queue_s)
     self.rate_bps = rate_bps
 
   def remove(self) -> None:
