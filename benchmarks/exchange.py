@@ -47,7 +47,14 @@ import time
 
 import numpy as np
 
-from sparsejax.bench import command_line, json_path, launch_workers, python_module, write_results
+from sparsejax.bench import (
+  command_line,
+  json_path,
+  launch_workers,
+  python_module,
+  time_stats,
+  write_results,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,11 +62,6 @@ SIZES = {"resnet50": 25_557_032, "transformer_base": 60_524_544,
          "tiny": 40_009}  # tiny: for the code path's test
 DENSITIES = (0.01, 0.001)
 NODES, PROCS = 2, 2
-
-
-def _stats(times: list[float]) -> dict[str, float]:
-  return {"median_s": statistics.median(times), "q1_s": float(np.percentile(times, 25)),
-          "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
 
 
 def time_exchange(call, barrier, reps: int, measure_link: bool, **labels) -> dict:
@@ -74,7 +76,7 @@ def time_exchange(call, barrier, reps: int, measure_link: bool, **labels) -> dic
     call()
     times.append(time.perf_counter() - t0)
     sent += (cluster.qdisc_sent_bytes() - before) if measure_link else 0
-  return {**labels, **_stats(times), "node_egress_bytes": sent / reps if measure_link else None}
+  return {**labels, **time_stats(times), "node_egress_bytes": sent / reps if measure_link else None}
 
 
 def _report(rank: int, row: dict, results: list[dict]) -> None:

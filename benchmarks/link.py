@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from sparsejax.bench import (
   launch_workers,
   python_module,
   spread,
+  time_stats,
   write_results,
 )
 
@@ -74,11 +74,6 @@ def link_bound_s(size: int, gap_s: float, rate_bps: int | None) -> float:
     return 0.0
   credit = min(BURST_BYTES, gap_s * rate_bps / 8)
   return max(size - credit, 0) * 8 / rate_bps
-
-
-def _stats(times: list[float]) -> dict[str, float]:
-  return {"median_s": statistics.median(times), "q1_s": float(np.percentile(times, 25)),
-          "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
 
 
 def _recv_exactly(sock: socket.socket, n: int, buf: bytearray) -> None:
@@ -135,7 +130,7 @@ def tcp_client(args) -> list[dict]:
           _recv_exactly(sock, 1, ack)
           if i:
             times.append(time.perf_counter() - t0)
-        rows.append({"what": "tcp", "size": n, "gap_s": gap, **_stats(times)})
+        rows.append({"what": "tcp", "size": n, "gap_s": gap, **time_stats(times)})
   return rows
 
 
@@ -171,7 +166,7 @@ def jax_worker(args) -> None:
           t0 = time.perf_counter()
           jax.block_until_ready(f(x))
           times.append(time.perf_counter() - t0)
-        rows.append({"what": name, "size": n, "gap_s": gap, **_stats(times)})
+        rows.append({"what": name, "size": n, "gap_s": gap, **time_stats(times)})
   if jax.process_index() == 0:
     with open(args.worker_out, "w") as f:
       json.dump(rows, f)

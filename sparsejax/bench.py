@@ -270,6 +270,14 @@ def spread(values: Sequence[float | None], digits: int = 2, scale: float = 1.0) 
   return f"{vals[0]:.{digits}f} / {statistics.median(vals):.{digits}f} / {vals[-1]:.{digits}f}"
 
 
+def time_stats(times: Sequence[float]) -> dict[str, float]:
+  """The median, quartiles and minimum of timed calls (seconds) and their count: a benchmark
+  row's timing."""
+  import numpy as np
+  return {"median_s": statistics.median(times), "q1_s": float(np.percentile(times, 25)),
+          "q3_s": float(np.percentile(times, 75)), "min_s": min(times), "reps": len(times)}
+
+
 def footer(meta: dict) -> str:
   """The line every result table ends with: its command, commit (where `meta` has one),
   machine and date (from `meta`)."""
