@@ -177,7 +177,8 @@ def update(name: str, scalars: jax.Array, state: Sequence[jax.Array], grads: Seq
     scalars: float32[k], the traced hyperparameters in the kernel's order (sgd: learning rate,
       momentum, weight decay; lars: learning rate, momentum, weight decay, trust coefficient, eps;
       adamw and lamb: learning rate, the three bias-correction factors cm, cv, cg, b1, b2, eps,
-      eps_root, weight decay). Traced, so that `optax.inject_hyperparams` can change them.
+      eps_root, weight decay; adamw then the direction's bound, `optim.frozen_bound` or
+      infinite). Traced, so that `optax.inject_hyperparams` can change them.
     state: the flat float32 state buffers (momentum; or mu, nu), each of length padded_size.
     grads: float32 buffers: one flat buffer (`flat=True`) or one per leaf, in leaf order.
     params: like `grads`, or None when the update does not read params.

@@ -55,7 +55,7 @@ from sparsejax import cpu_kernels, sketch
 from sparsejax.flat import FlatLayout
 
 __all__ = ["DEFAULT_ALIGN", "FusedMomentumState", "FusedAdamState", "fused_sgd", "fused_lars",
-           "fused_lamb", "fused_adamw", "flat_layout", "lars_direction"]
+           "fused_lamb", "fused_adamw", "frozen_bound", "flat_layout", "lars_direction"]
 
 # Row width of the layouts built here: every leaf starts at a multiple of it. Rows of 256 float32
 # values keep row reductions vectorised on CPU and cost at most 255 padding values per leaf.
@@ -678,6 +678,22 @@ def _adam_step(plan: _Plan, mu, nu, g, scalars, eps, eps_root, nesterov: bool):
   return u
 
 
+def frozen_bound(b1: Scalar, b2: Scalar, nesterov: bool = False) -> jax.Array:
+  """The most Adam's direction |m_hat / sqrt(v_hat)| can be at any coordinate while its second
+  moment runs (eps and the bias corrections aside), by Cauchy-Schwarz over the two averages:
+  (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)), 1.70 at (0.9, 0.98); with Nesterov's gradient
+  term b1 times that plus (1 - b1) / sqrt(1 - b2). Infinite where b1^2 >= b2 (no bound).
+
+  A frozen second moment loses it: a coordinate whose gradients outgrow its variance at the
+  freeze (an embedding row of a token rare or absent until then) steps lr |m| / sqrt(v) without
+  limit. `fused_adamw(freeze_variance_after=...)` keeps it instead."""
+  b1, b2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+  bound = (1.0 - b1) / jnp.sqrt((1.0 - b2) * jnp.maximum(1.0 - b1 * b1 / b2, 0.0))
+  if nesterov:
+    bound = b1 * bound + (1.0 - b1) / jnp.sqrt(1.0 - b2)
+  return jnp.where(b1 * b1 < b2, bound, jnp.inf)
+
+
 def _adam_moments(plan: _Plan, g, mu, nu, b1: Scalar, b2: Scalar):
   """optax.scale_by_adam's moment updates, float32[padded_size] (|g|^2 for complex values)."""
   return (1.0 - b1) * g + b1 * mu, (1.0 - b2) * plan.pair_sum(g * g) + b2 * nu
@@ -700,7 +716,10 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
     freeze_variance_after: None, or a step count >= 1 after which the second moment stops
       changing (with its bias correction): 1-bit Adam's frozen variance (Tang et al., 2021).
       Adam is then linear in the gradients, so a delayed, bursty gradient (error feedback)
-      moves the parameters as far as the gradients it holds.
+      moves the parameters as far as the gradients it holds. Once frozen, each coordinate's
+      direction keeps the bound it had while the variance ran (`frozen_bound`): clipped to it,
+      so that a coordinate whose gradients outgrow its frozen variance steps no farther than
+      Adam could have (where the variance is right the clip never acts).
     layout: None for the pytree face, or the `FlatLayout` of flat params/updates.
   """
   learning_rate = _check_lr(learning_rate)
@@ -724,28 +743,32 @@ def fused_adamw(learning_rate: ScalarOrSchedule, b1: Scalar = 0.9, b2: Scalar = 
                           buffer(np.dtype(np.float32)))
 
   def variance(count_inc):
-    """(this step's b2: 1 once frozen, the second moment's update count)."""
+    """(this step's b2: 1 once frozen, the second moment's update count, the direction's
+    bound: `frozen_bound` once frozen, else infinite)."""
     if freeze_variance_after is None:
-      return b2, None
-    return (jnp.where(count_inc > freeze_variance_after, 1.0, b2),
-            jnp.minimum(count_inc, freeze_variance_after))
+      return b2, None, jnp.asarray(jnp.inf, jnp.float32)
+    frozen = count_inc > freeze_variance_after
+    return (jnp.where(frozen, 1.0, b2), jnp.minimum(count_inc, freeze_variance_after),
+            jnp.where(frozen, frozen_bound(b1, b2, nesterov), jnp.inf))
 
   def update_flat(plan, g, state, p):
     count_inc = optax.safe_increment(state.count)
-    b2_now, tv = variance(count_inc)
+    b2_now, tv, bound = variance(count_inc)
     scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov, tv)
     mu, nu = _adam_moments(plan, g, state.mu, state.nu, b1, b2_now)
     u = _adam_step(plan, mu, nu, g, scalars, eps, eps_root, nesterov)
+    if freeze_variance_after is not None:
+      u = jnp.clip(u, -bound, bound)  # (NaN stays NaN, for the finite check)
     if decayed:
       u = u + _decay(plan, _at(weight_decay, state.count)) * p
     return -scalars[0] * u, FusedAdamState(count_inc, mu, nu)
 
   def kernel(plan, gs, state, ps, flat):
     count_inc = optax.safe_increment(state.count)
-    b2_now, tv = variance(count_inc)
+    b2_now, tv, bound = variance(count_inc)
     scalars = _adam_scalars(_at(learning_rate, state.count), count_inc, b1, b2, nesterov, tv)
     scalars = jnp.concatenate([scalars, _scalars(
-        b1, b2_now, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0)])
+        b1, b2_now, eps, eps_root, _at(weight_decay, state.count) if decayed else 0.0, bound)])
     (mu, nu), us = cpu_kernels.update(
         "adamw", scalars, (state.mu, state.nu), gs, ps if decayed else None, table=plan.table,
         flat=flat, decayed=decayed, nesterov=nesterov)

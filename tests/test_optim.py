@@ -345,11 +345,23 @@ def test_flat_face_rejects_buffers_of_the_wrong_length():
 @pytest.mark.parametrize("impl", ["pytree", "flat"])
 def test_adamw_with_a_frozen_variance_equals_numpy(rng, impl, path):
   """freeze_variance_after=F: Adam's second moment (and its bias correction) stop changing
-  after F steps; the first moment and the decay run on. Checked against numpy, on the CPU
-  kernel and on the XLA path (GPU's)."""
+  after F steps; the first moment and the decay run on; once frozen each coordinate's direction
+  is clipped to the bound it had while the variance ran (here 1.566). Checked against numpy,
+  on the CPU kernel and on the XLA path (GPU's), with gradients after the freeze 30x those
+  before at some coordinates (a token absent until then), so that the clip acts."""
   lr, b1, b2, eps, wd, freeze = 0.01, 0.8, 0.95, 1e-6, 0.02, 3
   params = random_tree(rng)
   grads_seq = [random_tree(rng, zero_leaf=False) for _ in range(7)]
+  outgrown = [rng.random(x.shape) < 0.3 for x in jax.tree.leaves(params)]
+  grads_seq[freeze:] = [jax.tree.unflatten(jax.tree.structure(g), [
+      np.where(o, 30.0, 1.0).astype(np.float32) * np.asarray(x)
+      for o, x in zip(outgrown, jax.tree.leaves(g))]) for g in grads_seq[freeze:]]
+  bound = (1 - b1) / np.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+  assert float(optim.frozen_bound(b1, b2)) == pytest.approx(bound, rel=1e-6)
+  assert float(optim.frozen_bound(b1, b2, nesterov=True)) == pytest.approx(
+      b1 * bound + (1 - b1) / np.sqrt(1 - b2), rel=1e-6)
+  assert float(optim.frozen_bound(0.99, 0.95)) == np.inf  # b1^2 >= b2: Adam has no bound
+  clipped = 0
   kwargs = dict(learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd,
                 freeze_variance_after=freeze)
   if impl == "pytree":
@@ -371,9 +383,14 @@ def test_adamw_with_a_frozen_variance_equals_numpy(rng, impl, path):
       if t <= freeze:
         v2[i] = b2 * v2[i] + (1 - b2) * gi * gi
       m_hat, v_hat = m[i] / (1 - b1 ** t), v2[i] / (1 - b2 ** min(t, freeze))
-      p[i] = p[i] - lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * p[i])
+      direction = m_hat / (np.sqrt(v_hat) + eps)
+      if t > freeze:
+        clipped += int(np.sum(np.abs(direction) > bound))
+        direction = np.clip(direction, -bound, bound)
+      p[i] = p[i] - lr * (direction + wd * p[i])
     for i, got in enumerate(jax.tree.leaves(got_p[t - 1])):
       np.testing.assert_allclose(np.asarray(got), p[i], rtol=2e-5, atol=1e-6,
                                  err_msg=f"step {t}, leaf {i}")
+  assert clipped > 0  # (the clip acted: without it the test's reference would differ)
   with pytest.raises(ValueError, match="freeze_variance_after.*0"):
     optim.fused_adamw(0.1, freeze_variance_after=0)

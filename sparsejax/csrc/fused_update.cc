@@ -399,7 +399,8 @@ ffi::Error LarsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, SPARSEJ
 // cv = 1 / (1 - b2**t). LAMB has no Nesterov form (cg = 0, unused).
 struct Adam {
   float b1, b2, eps, eps_root, cm, cv, cg;
-  // Scalars: learning rate, cm, cv, cg, b1, b2, eps, eps_root, weight decay, skip.
+  // Scalars: learning rate, cm, cv, cg, b1, b2, eps, eps_root, weight decay, skip (adamw: the
+  // direction's bound before skip).
   static Adam From(const float* sc) { return Adam{sc[4], sc[5], sc[6], sc[7], sc[1], sc[2], sc[3]}; }
   inline float Mu(float g, float mu) const { return (1.0f - b1) * g + b1 * mu; }
   inline float Nu(float g, float nu) const { return (1.0f - b2) * (g * g) + b2 * nu; }
@@ -425,40 +426,44 @@ void MomentsOnly(const Adam& adam, const Seg& s, int64_t lo, int64_t hi) {
   }
 }
 
-// AdamW: u = -lr * (adam(g) + decay * p); p is not read when kDecayed is false.
+// AdamW: u = -lr * (adam(g) + decay * p); p is not read when kDecayed is false. adam(g) is
+// clipped to [-bound, bound] (infinite but with a frozen second moment: optim.frozen_bound);
+// a NaN stays NaN (both comparisons false).
 template <bool kDecayed, bool kNesterov>
-void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr) {
+void AdamwRange(const Adam& adam, const Seg& s, int64_t lo, int64_t hi, float lr, float bound) {
   const Buffers b(s);
 #pragma omp simd
   for (int64_t i = lo; i < hi; ++i) {
     const float m = adam.Mu(b.g[i], b.m_in[i]), v = adam.Nu(b.g[i], b.v_in[i]);
     b.m_out[i] = m;
     b.v_out[i] = v;
-    const float step = kNesterov ? adam.NesterovDirection(m, b.g[i], v) : adam.Direction(m, v);
+    float step = kNesterov ? adam.NesterovDirection(m, b.g[i], v) : adam.Direction(m, v);
+    step = step > bound ? bound : (step < -bound ? -bound : step);
     b.u[i] = -lr * (kDecayed ? step + b.d * b.p[i] : step);
   }
 }
 
 ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars, SPARSEJAX_OPERAND_PARAMS,
                      bool decayed, bool nesterov) {
-  Begun begun = Begin(pool, scalars, 10, 8, 2, decayed, SPARSEJAX_OPERANDS);
+  // Scalars: learning rate, cm, cv, cg, b1, b2, eps, eps_root, weight decay, bound, skip.
+  Begun begun = Begin(pool, scalars, 11, 8, 2, decayed, SPARSEJAX_OPERANDS);
   if (begun.done) return begun.error;
   const std::vector<Seg>& segs = begun.segs;
-  const float lr = scalars.typed_data()[0];
+  const float lr = scalars.typed_data()[0], bound = scalars.typed_data()[9];
   const Adam adam = Adam::From(scalars.typed_data());
   OnePass(pool, segs, [&](const Seg& s, int64_t lo, int64_t hi) {
     if (!(s.flags & kReal)) {
       MomentsOnly(adam, s, lo, hi);
     } else if (nesterov) {
       if (decayed) {
-        AdamwRange<true, true>(adam, s, lo, hi, lr);
+        AdamwRange<true, true>(adam, s, lo, hi, lr, bound);
       } else {
-        AdamwRange<false, true>(adam, s, lo, hi, lr);
+        AdamwRange<false, true>(adam, s, lo, hi, lr, bound);
       }
     } else if (decayed) {
-      AdamwRange<true, false>(adam, s, lo, hi, lr);
+      AdamwRange<true, false>(adam, s, lo, hi, lr, bound);
     } else {
-      AdamwRange<false, false>(adam, s, lo, hi, lr);
+      AdamwRange<false, false>(adam, s, lo, hi, lr, bound);
     }
   });
   return ffi::Error::Success();

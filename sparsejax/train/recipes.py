@@ -11,8 +11,10 @@ them elsewhere are replaced (the summary's config shows what ran).
                 configured sparse algorithm with error feedback and no density warm-up. Sets
                 `compression.dense_epochs` and `optimizer.freeze_variance_epochs` to
                 `num_epochs / 8` and `compression.warmup_epochs` to 0; needs optimizer adamw
-                without momentum correction. On the KJV LM task (docs/time-to-accuracy-lm.md)
-                it reaches dense's loss target at dense's step with HiTopKComm 0.1.
+                without momentum correction. Once frozen, each coordinate's Adam direction is
+                clipped to the bound it had while the variance ran (`optim.frozen_bound`). On
+                the KJV LM task (docs/time-to-accuracy-lm.md) it reaches dense's loss target at
+                dense's step with HiTopKComm 0.1.
 """
 
 from __future__ import annotations
