@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.scale import speedups
+from studies.auto import end_to_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTA = "studies/time_to_accuracy/results/"
@@ -40,7 +41,9 @@ HOW = ("trained end to end", "modelled", "steps only", "benchmark")
 
 @dataclasses.dataclass(frozen=True)
 class Quote:
-  """`text` (its numbers as `str.format` fields) in `doc`, the values from `source`."""
+  """`text` (its numbers as `str.format` fields) in `doc`, the values from `source`: a result
+  file, or a results folder (ending in "/") for a quote over every result in it, read as
+  {file name: its results}."""
 
   doc: str
   text: str
@@ -53,12 +56,20 @@ class Quote:
       raise ValueError(f"Quote.how must be one of {HOW}, got {self.how!r}")
 
   def load(self, root: str = ROOT) -> dict[str, Any]:
-    with open(os.path.join(root, self.source)) as f:
-      return json.load(f)
+    path = os.path.join(root, self.source)
+    if self.source.endswith("/"):
+      return {name: _read(os.path.join(path, name))
+              for name in sorted(os.listdir(path)) if name.endswith(".json")}
+    return _read(path)
 
   def expected(self, root: str = ROOT) -> str:
     """The quote as its file says it should read now."""
     return self.text.format(*self.values(self.load(root)))
+
+
+def _read(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    return json.load(f)
 
 
 def normalized(text: str) -> str:
@@ -183,6 +194,23 @@ AUTO = "studies/auto/results/auto_v2_"
 HEADLINE = "docs/headline-results.md"
 
 
+def _auto_measuring(at_least_s: float, shortest: bool) -> Callable:
+  """Over every auto result, per seed: auto's measurements and its switches' compiles over its
+  run with them (`end_to_end.shares`) on the runs of at least `at_least_s` s, or (`shortest`)
+  its first measurement over its run on those shorter: (min, max) in %."""
+  def values(files):
+    got = []
+    for j in files.values():
+      for row in j["rows"]:
+        times = [t for t in row["auto_time_s"] if t]
+        firsts = [f for f, t in zip(row["auto_first_measure_s"], row["auto_time_s"]) if t]
+        for share, first, t in zip(end_to_end.shares(row), firsts, times):
+          if (t < at_least_s) == shortest:
+            got.append(first / t if shortest else share)
+    return 100 * min(got), 100 * max(got)
+  return values
+
+
 def _auto(text: str, name: str) -> Quote:
   """A README quote of auto's median time to target over the best fixed system's (its result
   `studies/auto/results/auto_v2_<name>.json`, trained end to end)."""
@@ -248,6 +276,12 @@ QUOTES: tuple[Quote, ...] = (
     _auto("{0:.2f}x (Python docs to the deeper target, 50 Mbit/s, 5 seeds)", "pydocs_long_50mbit"),
     _auto("{0:.2f}x (ResNet-20 on MNIST, 10 Mbit/s)", "mnist_resnet_10mbit"),
     _auto("{0:.2f}x (MNIST, 500 Mbit/s).", "mnist_500mbit"),
+    Quote("README.md", "Measuring takes {0:.1f}-{1:.1f}% of a run of 30 s or more",
+          "studies/auto/results/", _auto_measuring(30.0, False), "trained end to end"),
+    Quote(HEADLINE, "took {0:.1f}-{1:.1f}% of those runs", "studies/auto/results/",
+          _auto_measuring(30.0, False), "trained end to end"),
+    Quote(HEADLINE, "the first measurement alone is {0:.0f}-{1:.0f}%", "studies/auto/results/",
+          _auto_measuring(30.0, True), "trained end to end"),
     Quote(HEADLINE, "{0:.2f}x HiTopKComm's at 50 Mbit/s (5 seeds, by seed {1:.2f}-{2:.2f})",
           AUTO + "pydocs_long_50mbit.json", _auto_by_seed, "trained end to end"),
     Quote(HEADLINE, "unlimited link {0:.2f}x the faster of dense and HiTopKComm on the ResNet-20 "

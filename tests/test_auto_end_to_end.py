@@ -107,6 +107,31 @@ def test_judge_at_another_target_than_the_references_leaves_ddps_time_out():
                    target=4.55)["ddp_target_met"] is False
 
 
+def test_judge_takes_ddp_trained_beside_auto_over_the_references_and_pairs_only_sparsejax():
+  """DDP in `--fixed`: its time to target is its runs beside auto (at any target, the
+  reference's other day's steps x swept step out of it), never auto's best fixed system, and not
+  a seed's mate in auto's by-seed ratio."""
+  runs = e2e.runs_of(reference(), "auto-0.05")  # 6.1, 6.3, 9.4 s
+  trained = {"dense": [{"seed": s, "steps": 60, "time_s": t, "forms": []}
+                       for s, t in enumerate([6.9, 7.0, 7.3])],
+             "torch-ddp": [{"seed": s, "steps": 50, "time_s": t, "forms": []}
+                           for s, t in enumerate([4.0, 9.9, 8.0])]}
+  for target in (4.55, 4.2):
+    row = e2e.judge(reference(), "unlimited", runs, "auto-0.05", trained, target=target)
+    assert row["fixed_time_s"]["torch-ddp"] == [4.0, 9.9, 8.0]  # not the reference's 5.0s
+    assert row["ddp_over_auto"] == pytest.approx(8.0 / 6.3)
+    assert row["ddp_target_met"] is True  # 1.27 >= 1 / 1.25
+    assert row["best_fixed"] == "dense" and row["auto_over_best"] == pytest.approx(6.3 / 7.0)
+    assert row["auto_over_best_by_seed"] == pytest.approx([6.1 / 6.9, 6.3 / 7.0, 9.4 / 7.3])
+  text = e2e.table({"meta": {"system": "auto-0.05", "target_metric": "loss", "target": 4.2,
+                             "seeds": 3, "reference": "ref.json", "reference_target": 4.55,
+                             "command": "c", "commit": "x", "machine": "m", "cpus": 2,
+                             "date": "d"}, "rows": [row]})
+  assert ("dense, torch-ddp trained end to end beside it the same way (seed by seed, the "
+          "systems' order rotating between seeds); the reference study `ref.json` for R, the "
+          "parity and DDP's swept step. R:" in text)
+
+
 def test_from_results_rejudges_against_a_moved_reference(tmp_path, capsys):
   ref = tmp_path / "ref.json"
   ref.write_text(json.dumps(reference()))

@@ -1,6 +1,7 @@
 """studies/time_to_accuracy/limit.py: the runs' order, the ratios against hand-computed values,
 and (integration tier) its --quick run on the emulated cluster."""
 
+import importlib.util
 import json
 
 import pytest
@@ -155,3 +156,6 @@ def test_quick_run_trains_both_links_end_to_end(tmp_path):
   assert "Command: `python -m studies.time_to_accuracy.limit --quick" in (
       out.with_suffix(".md").read_text())
   assert got["meta"]["commit"] != "unknown"
+  # the figure's plot, its one slow link beside the unlimited one
+  if importlib.util.find_spec("matplotlib"):
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -230,13 +230,11 @@ def plot(results: dict, png: str) -> bool:
 
 
 def write(out: str, results: dict) -> str:
-  """The analysis into `results`, the JSON and table at `out`, the plot beside them where the
-  run has more than one link; the table's path."""
+  """The analysis into `results`, the JSON, table and plot at `out`; the table's path."""
   results["analysis"] = analyse(results)
   results["dense_step_over_unlimited"] = dense_step_over_unlimited(results)
   md = write_results(out, results, make_table(results, results["analysis"]))
-  if len(links_of(results["meta"])) > 1:
-    plot(results, os.path.splitext(out)[0] + ".png")
+  plot(results, os.path.splitext(out)[0] + ".png")
   return md
 
 
