@@ -680,9 +680,10 @@ def _adam_step(plan: _Plan, mu, nu, g, scalars, eps, eps_root, nesterov: bool):
 
 def frozen_bound(b1: Scalar, b2: Scalar, nesterov: bool = False) -> jax.Array:
   """The most Adam's direction |m_hat / sqrt(v_hat)| can be at any coordinate while its second
-  moment runs (eps and the bias corrections aside), by Cauchy-Schwarz over the two averages:
-  (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)), 1.70 at (0.9, 0.98); with Nesterov's gradient
-  term b1 times that plus (1 - b1) / sqrt(1 - b2). Infinite where b1^2 >= b2 (no bound).
+  moment runs (eps aside), by Cauchy-Schwarz over the two averages: (1 - b1) / sqrt((1 - b2)
+  (1 - b1^2 / b2)), 1.70 at (0.9, 0.98); the bias corrections never take it above that. With
+  Nesterov's gradient term, b1 times that plus max(1, (1 - b1) / sqrt(1 - b2)) (the term's
+  bias correction can take it to 1 in the first steps). Infinite where b1^2 >= b2 (no bound).
 
   A frozen second moment loses it: a coordinate whose gradients outgrow its variance at the
   freeze (an embedding row of a token rare or absent until then) steps lr |m| / sqrt(v) without
@@ -690,7 +691,7 @@ def frozen_bound(b1: Scalar, b2: Scalar, nesterov: bool = False) -> jax.Array:
   b1, b2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
   bound = (1.0 - b1) / jnp.sqrt((1.0 - b2) * jnp.maximum(1.0 - b1 * b1 / b2, 0.0))
   if nesterov:
-    bound = b1 * bound + (1.0 - b1) / jnp.sqrt(1.0 - b2)
+    bound = b1 * bound + jnp.maximum(1.0, (1.0 - b1) / jnp.sqrt(1.0 - b2))
   return jnp.where(b1 * b1 < b2, bound, jnp.inf)
 
 

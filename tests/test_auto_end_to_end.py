@@ -123,6 +123,12 @@ def test_judge_takes_ddp_trained_beside_auto_over_the_references_and_pairs_only_
     assert row["ddp_target_met"] is True  # 1.27 >= 1 / 1.25
     assert row["best_fixed"] == "dense" and row["auto_over_best"] == pytest.approx(6.3 / 7.0)
     assert row["auto_over_best_by_seed"] == pytest.approx([6.1 / 6.9, 6.3 / 7.0, 9.4 / 7.3])
+  assert "torch-ddp" not in row["auto_at_step_over"]  # (a PyTorch clock: another framework)
+  # DDP alone beside auto: the sparsejax systems still the reference's predictions
+  alone = e2e.judge(reference(), "unlimited", runs, "auto-0.05", {"torch-ddp": trained[
+      "torch-ddp"]})
+  assert alone["best_fixed"] == "dense" and alone["auto_over_best"] == pytest.approx(6.3 / 6.2)
+  assert alone["ddp_over_auto"] == pytest.approx(8.0 / 6.3)
   text = e2e.table({"meta": {"system": "auto-0.05", "target_metric": "loss", "target": 4.2,
                              "seeds": 3, "reference": "ref.json", "reference_target": 4.55,
                              "command": "c", "commit": "x", "machine": "m", "cpus": 2,

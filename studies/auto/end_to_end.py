@@ -182,8 +182,8 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
     raise ValueError(f"the runs' target {target} is not the reference's "
                      f"{reference['meta']['target']}: train the fixed systems beside auto "
                      "(--fixed) to judge it")
-  if measured:  # judged against the systems trained beside it alone (DDP: the reference's,
-    # where it was not trained beside it)
+  if any(not s.startswith("torch") for s in measured):  # judged against the systems trained
+    # beside it alone (DDP: the reference's, where it was not trained beside it)
     times = {s: v for s, v in times.items() if s.startswith("torch")}
   times.update(measured)
   fixed = {s: m for s, v in times.items()  # (a reference system that missed it: not there)
@@ -205,7 +205,8 @@ def judge(reference: dict[str, Any], bandwidth: str, runs: list[dict[str, Any]],
   spent = [x for x in runs if "measure_s" in x]
   return {"bandwidth": bandwidth, "R": r, "parity": parity, "auto_time_s": mine,
           "auto_over_best_by_seed": paired(runs, trained or {}),
-          "auto_at_step_over": {s: at_same_step(runs, r) for s, r in (trained or {}).items()},
+          "auto_at_step_over": {s: at_same_step(runs, r) for s, r in (trained or {}).items()
+                                if not s.startswith("torch")},
           **({"auto_measure_s": [x["measure_s"] for x in spent],
               "auto_first_measure_s": [x["first_measure_s"] for x in spent],
               "auto_compile_s": [x.get("compile_s") for x in spent],
