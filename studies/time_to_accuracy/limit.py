@@ -135,7 +135,8 @@ def dense_step_over_unlimited(results: dict) -> dict[str, list[float]]:
   return out
 
 
-def _times(results: dict, system: str, link: str) -> list[float]:
+def times(results: dict, system: str, link: str) -> list[float]:
+  """`system`'s times to target at `link` (s), one per seed that reached it, trained end to end."""
   return [r["reached"]["train_time_s"] for r in results["runs"]
           if r["system"] == system and r["link"] == link and r["reached"]]
 
@@ -161,8 +162,8 @@ def make_table(results: dict, analysis: dict) -> str:
     for link in links:
       at = a["links"][link]
       lines.append("| " + " | ".join([
-          system, link, _range(steps, 0), _range(_times(results, system, UNLIMITED), 1),
-          _range(_times(results, system, link), 1), _range(at["limit"]),
+          system, link, _range(steps, 0), _range(times(results, system, UNLIMITED), 1),
+          _range(times(results, system, link), 1), _range(at["limit"]),
           _range(at["limit_after_dense"]), *(_range(at[f"{b}_over"]) for b in meta["baselines"]),
           _range(a["final_vs_dense"], 2)]) + " |")
   rest = [b for b in meta["baselines"] if b not in analysis]
@@ -170,7 +171,7 @@ def make_table(results: dict, analysis: dict) -> str:
     lines += ["", "| baseline | " + " | ".join(
         f"time to target s, {link}" for link in [UNLIMITED, *links]) + " |",
               "|---|" + "---:|" * (1 + len(links))]
-    lines += [f"| {b} | " + " | ".join(_range(_times(results, b, link), 1)
+    lines += [f"| {b} | " + " | ".join(_range(times(results, b, link), 1)
                                        for link in [UNLIMITED, *links]) + " |" for b in rest]
   slowdown = dense_step_over_unlimited(results)
   if any(slowdown.values()):
@@ -204,7 +205,7 @@ def plot(results: dict, png: str) -> bool:
   fig, ax = plt.subplots(figsize=(8, 5))
   for system in meta["systems"] + [b for b in meta["baselines"] if b not in meta["systems"]]:
     pts = sorted((xs[link], sorted(t)) for link in [*links_of(meta), UNLIMITED]
-                 if (t := _times(results, system, link)))  # (by the link: one line)
+                 if (t := times(results, system, link)))  # (by the link: one line)
     if not pts:
       continue
     x = [p[0] for p in pts]
