@@ -1,4 +1,4 @@
-"""The README's quoted figures equal their result files (`studies.figures`)."""
+"""The quoted figures of the README and the docs equal their result files (`studies.figures`)."""
 
 import os
 
@@ -35,8 +35,11 @@ def test_a_quote_that_no_longer_matches_is_caught(tmp_path):
 
 def test_every_quote_names_a_committed_file_and_how_it_was_made():
   for quote in figures.QUOTES:
-    path = os.path.join(figures.ROOT, quote.source)
-    assert (os.path.isdir if quote.source.endswith("/") else os.path.isfile)(path), quote.source
+    for source in quote.sources:
+      path = os.path.join(figures.ROOT, source)
+      assert (os.path.isdir if source.endswith("/") else os.path.isfile)(path), source
     assert quote.how in figures.HOW
+  two = next(q for q in figures.QUOTES if len(q.sources) == 2)
+  assert sorted(two.load()) == sorted(two.sources)  # {path: its results}, one a file
   with pytest.raises(ValueError, match="Quote.how must be one of"):
     figures.Quote("README.md", "x", "y", lambda j: (), "guessed")
