@@ -2,8 +2,8 @@
 for TopK all-gather and gTop-k, on the task's real per-worker gradients.
 
   python -m studies.worker_scaling.residuals --config configs/tta_fmnist_mlp.py \\
-      --workers 2,4,8,16 --density 0.01 --steps 144 --every 12 \\
-      --out studies/worker_scaling/results/residuals_fmnist.json
+      --workers 16 --density 0.01 --steps 144 --every 24 \\
+      --out studies/worker_scaling/results/residuals_fmnist_selected.json
 
 The parameters follow the task's dense recipe at P workers (the global batch split over them,
 as in run.py). At every step each exchange below takes the same per-worker gradients g_i and
