@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.scale import speedups
+from sparsejax.bench import spread
 from studies.auto import end_to_end
 from studies.time_to_accuracy import analysis, limit
 
@@ -33,6 +34,8 @@ WS = "studies/worker_scaling/results/"
 LM = TTA + "time_to_target_lm.json"  # the KJV Transformer's figure (`limit.py`)
 LM_LINKS = ("100mbit", "50mbit")
 LM_SLOW = TTA + "time_to_accuracy_lm_pinned_slow.json"  # the LM's modelled table at 50 Mbit/s
+MLP_LIMIT = TTA + "limit_mlp_500mbit.json"  # the MLP's limit at 500 Mbit/s (`limit.py`)
+MLP_PAIRS = ("hitopk-0.01-mc", "hitopk-0.01-mc+experimental.wire=pairs4")  # 8, 4 bytes
 LM_LIMIT = TTA + "limit_lm_100mbit.json"  # the 1-bit recipe's limit at 100 Mbit/s (`limit.py`)
 LM_HELD_OUT = TTA + "limit_pydocs_100mbit.json"  # the same on the held-out Python docs corpus
 LM_PIPE4 = "hitopk-0.1-1bit+experimental.wire=pairs4+overlap.pipeline=device+overlap.predict=local"
@@ -220,6 +223,17 @@ def _sweep_exchange(link: str, size: int) -> Callable:
   return values
 
 
+def _sorted3(values: Sequence[float]) -> tuple[float, float, float]:
+  v = sorted(values)
+  return v[0], statistics.median(v), v[-1]
+
+
+def _triples(j, key: str, systems: Sequence[str], link: str) -> tuple[float, ...]:
+  """A limit file's `key` ("limit", "dense_over", ...) at `link`, min / median / max of the
+  seeds for each of `systems` in turn."""
+  return tuple(x for s in systems for x in _sorted3(j["analysis"][s]["links"][link][key]))
+
+
 def _held_out_pipelined(j):
   """The held-out limit file's pipelined 4-byte system: its median time to target over dense's
   and DDP's, then its limit ratio after the dense start (min, max); every seed below dense."""
@@ -245,6 +259,13 @@ def _auto_by_seed(j):
           max(row["auto_over_best_by_seed"]))
 
 
+def _auto_first_share(j):
+  """An auto file's median over seeds of its first measurement's share of its run, in %."""
+  row = j["rows"][0]
+  return (100 * statistics.median(f / t for f, t in zip(row["auto_first_measure_s"],
+                                                         row["auto_time_s"]) if t),)
+
+
 def _at_step_over(system: str) -> Callable:
   """An auto file's clock over `system`'s at the same step, by seed: (min, max)."""
   def values(j):
@@ -263,6 +284,9 @@ LM_DOC = "docs/time-to-accuracy-lm.md"
 TTA_README = "studies/time_to_accuracy/README.md"
 
 
+LONG_RUN_S = 20.0  # auto's runs that pay back its first measurement (all but MNIST's 6-10 s)
+
+
 def _auto_measuring(at_least_s: float, shortest: bool) -> Callable:
   """Over every auto result, per seed: auto's measurements and its switches' compiles over its
   run with them (`end_to_end.shares`) on the runs of at least `at_least_s` s, or (`shortest`)
@@ -278,6 +302,56 @@ def _auto_measuring(at_least_s: float, shortest: bool) -> Callable:
             got.append(first / t if shortest else share)
     return 100 * min(got), 100 * max(got)
   return values
+
+
+AUTO_README = "studies/auto/README.md"
+AUTO_STEMS = ("cnn_unlimited", "cnn_10mbit", "kjv_unlimited", "kjv_50mbit", "pydocs_unlimited",
+              "pydocs_50mbit", "mnist_unlimited", "mnist_500mbit", "pydocs_long_unlimited",
+              "pydocs_long_50mbit", "mnist_resnet_unlimited", "mnist_resnet_10mbit")
+_SYSTEM_NAMES = (("dense", "dense"), ("hitopk-", "HiTopKComm "), ("torch-ddp", "PyTorch DDP"))
+
+
+def _system_name(system: str) -> str:
+  """A system's name in the auto table: HiTopKComm and its density, dense, PyTorch DDP."""
+  for prefix, name in _SYSTEM_NAMES:
+    if system.startswith(prefix):
+      return name + (system[len(prefix):].split("-")[0] if prefix.endswith("-") else "")
+  raise ValueError(f"no table name for system {system!r}")
+
+
+def _link_name(link: str) -> str:
+  return "unlimited" if link == "unlimited" else f"{link[:-4]} {link[-4].upper()}bit/s"
+
+
+def _auto_row(j):
+  """An auto file's row of the auto README's table, from the link to the commit: times (s,
+  min / median / max), auto over the best fixed system (by seed), its measurements and
+  switch compiles (their share of the run), its steps and each seed's forms."""
+  row, meta = j["rows"][0], j["meta"]
+  trained = [s for prefix, _ in _SYSTEM_NAMES for s in sorted(row["fixed_trained"])
+             if s.startswith(prefix)]
+  fixed = "; ".join(f"{_system_name(s)} {spread(row['fixed_time_s'][s], 1)}" for s in trained)
+  compiles = [c or 0.0 for c in row.get("auto_compile_s") or [0.0]]
+  share = [100 * s for s in end_to_end.shares(row)]
+  steps = sorted({*row["auto_steps"]})
+  forms = [", then ".join(f for _, f in seed) for seed in row["forms"]]
+  return (_link_name(row["bandwidth"]), f"{row['R']:.2g}", spread(row["auto_time_s"], 1), fixed,
+          row["auto_over_best"], spread(row["auto_over_best_by_seed"], 2),
+          spread(row["auto_measure_s"], 2),
+          "0" if not any(compiles) else spread(compiles, 2), min(share), max(share),
+          str(steps[0]) if len(steps) == 1 else spread(row["auto_steps"], 0),
+          forms[0] if len(set(forms)) == 1 else ", ".join(forms), meta["commit"])
+
+
+def _ddp_over_auto(files):
+  """Over the auto results with PyTorch DDP trained beside auto: DDP's median time over
+  auto's, (min, max) at the slow links, then (min, max) at the unlimited link."""
+  got = {True: [], False: []}
+  for j in files.values():
+    for row in j["rows"]:
+      if "torch-ddp" in row["fixed_trained"]:
+        got[row["bandwidth"] != "unlimited"].append(row["ddp_over_auto"])
+  return (*_min_max(got[True]), *_min_max(got[False]))
 
 
 def _auto(text: str, name: str) -> Quote:
@@ -338,6 +412,8 @@ QUOTES: tuple[Quote, ...] = (
           "steps as dense)", AUTO + "kjv_unlimited.json", _auto_by_seed, "trained end to end"),
     _auto("{0:.2f}x (held-out Python docs)", "pydocs_unlimited"),
     _auto("{0:.2f}x (held-out MNIST: 8 s runs", "mnist_unlimited"),
+    Quote("README.md", "8 s runs, its first measurement {0:.0f}% of them",
+          AUTO + "mnist_unlimited.json", _auto_first_share, "trained end to end"),
     _auto("{0:.2f}x (held out, a minute or more: Python docs to a deeper target)",
           "pydocs_long_unlimited"),
     _auto("{0:.2f}x (held out, a minute or more: ResNet-20 on MNIST)", "mnist_resnet_unlimited"),
@@ -347,12 +423,18 @@ QUOTES: tuple[Quote, ...] = (
     _auto("{0:.2f}x (Python docs to the deeper target, 50 Mbit/s, 5 seeds)", "pydocs_long_50mbit"),
     _auto("{0:.2f}x (ResNet-20 on MNIST, 10 Mbit/s)", "mnist_resnet_10mbit"),
     _auto("{0:.2f}x (MNIST, 500 Mbit/s).", "mnist_500mbit"),
-    Quote("README.md", "Measuring takes {0:.1f}-{1:.1f}% of a run of 30 s or more",
-          "studies/auto/results/", _auto_measuring(30.0, False), "trained end to end"),
-    Quote(HEADLINE, "took {0:.1f}-{1:.1f}% of those runs", "studies/auto/results/",
-          _auto_measuring(30.0, False), "trained end to end"),
+    Quote("README.md", "Measuring takes {0:.1f}-{1:.1f}% of a run of {2:.0f} s or more",
+          "studies/auto/results/",
+          lambda j: (*_auto_measuring(LONG_RUN_S, False)(j), LONG_RUN_S), "trained end to end"),
+    Quote(HEADLINE, "the runs of {2:.0f} s or more auto ran dense at the unlimited links and "
+          "sparse at the slow ones from step 0. Its measurements, the probes' compilation "
+          "included, took {0:.1f}-{1:.1f}% of those runs", "studies/auto/results/",
+          lambda j: (*_auto_measuring(LONG_RUN_S, False)(j), LONG_RUN_S), "trained end to end"),
+    Quote(HEADLINE, "PyTorch DDP, trained beside auto in the same runs, took {0:.2f}-{1:.2f}x "
+          "auto's time at the slow links and {2:.2f}-{3:.2f}x at the unlimited link",
+          "studies/auto/results/", _ddp_over_auto, "trained end to end"),
     Quote(HEADLINE, "the first measurement alone is {0:.0f}-{1:.0f}%", "studies/auto/results/",
-          _auto_measuring(30.0, True), "trained end to end"),
+          _auto_measuring(LONG_RUN_S, True), "trained end to end"),
     Quote(HEADLINE, "{0:.2f}x HiTopKComm's at 50 Mbit/s (5 seeds, by seed {1:.2f}-{2:.2f})",
           AUTO + "pydocs_long_50mbit.json", _auto_by_seed, "trained end to end"),
     Quote(HEADLINE, "unlimited link {0:.2f}x the faster of dense and HiTopKComm on the ResNet-20 "
@@ -618,6 +700,22 @@ QUOTES: tuple[Quote, ...] = (
                      *j["analysis"]["dense"]["final"]), "trained end to end"),
     Quote(HEADLINE, "Compute parity JAX / PyTorch {0:.2f} / {1:.2f} / {2:.2f}",
           TTA + "time_to_accuracy_cnn_parity.json", _parity, "benchmark"),
+    Quote(TTA_README, "limit ratio {0:.2f} / {1:.2f} / {2:.2f} with 8-byte pairs, {3:.2f} / "
+          "{4:.2f} / {5:.2f} with 4-byte pairs", MLP_LIMIT,
+          lambda j: _triples(j, "limit", MLP_PAIRS, "500mbit"), "trained end to end"),
+    Quote(TTA_README, "against sparsejax dense at that link {0:.2f} / {1:.2f} / {2:.2f}x and "
+          "{3:.2f} / {4:.2f} / {5:.2f}x sooner, against PyTorch DDP {6:.2f} / {7:.2f} / {8:.2f}x "
+          "and {9:.2f} / {10:.2f} / {11:.2f}x. Final accuracy against dense's {12:+.2f} / "
+          "{13:+.2f} / {14:+.2f} and {15:+.2f} / {16:+.2f} / {17:+.2f} points", MLP_LIMIT,
+          lambda j: (*_triples(j, "dense_over", MLP_PAIRS, "500mbit"),
+                     *_triples(j, "torch-ddp_over", MLP_PAIRS, "500mbit"),
+                     *(f for s in MLP_PAIRS
+                       for f in _sorted3(j["analysis"][s]["final_vs_dense"]))),
+          "trained end to end"),
+    # studies/auto/README.md: the table, a row per result file
+    *(Quote(AUTO_README, "| {0} ({1}) | {2} | {3} | {4:.2f} ({5}) | {6}; {7} ({8:.1f}-{9:.1f}%) "
+            "| {10}; {11} | {12}", AUTO + stem + ".json", _auto_row, "trained end to end")
+      for stem in AUTO_STEMS),
 )
 
 
