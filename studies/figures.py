@@ -343,6 +343,21 @@ def _auto_row(j):
           forms[0] if len(set(forms)) == 1 else ", ".join(forms), meta["commit"])
 
 
+def _one_form(at_least_s: float) -> Callable:
+  """Nothing to format: the quote's words say that on every run of at least `at_least_s` s
+  auto ran one form from step 0, dense at the unlimited link and sparse at the slow ones."""
+  def values(files):
+    for name, j in files.items():
+      for row in j["rows"]:
+        want = "dense" if row["bandwidth"] == "unlimited" else "sparse"
+        for t, forms in zip(row["auto_time_s"], row["forms"]):
+          if t and t >= at_least_s and forms != [[0, want]]:
+            raise ValueError(f"{name} at {row['bandwidth']}: a {t:.0f} s run's forms {forms}, "
+                             f"not {want} from step 0")
+    return ()
+  return values
+
+
 def _ddp_over_auto(files):
   """Over the auto results with PyTorch DDP trained beside auto: DDP's median time over
   auto's, (min, max) at the slow links, then (min, max) at the unlimited link."""
@@ -429,7 +444,8 @@ QUOTES: tuple[Quote, ...] = (
     Quote(HEADLINE, "the runs of {2:.0f} s or more auto ran dense at the unlimited links and "
           "sparse at the slow ones from step 0. Its measurements, the probes' compilation "
           "included, took {0:.1f}-{1:.1f}% of those runs", "studies/auto/results/",
-          lambda j: (*_auto_measuring(LONG_RUN_S, False)(j), LONG_RUN_S), "trained end to end"),
+          lambda j: (*_auto_measuring(LONG_RUN_S, False)(j), LONG_RUN_S,
+                     *_one_form(LONG_RUN_S)(j)), "trained end to end"),
     Quote(HEADLINE, "PyTorch DDP, trained beside auto in the same runs, took {0:.2f}-{1:.2f}x "
           "auto's time at the slow links and {2:.2f}-{3:.2f}x at the unlimited link",
           "studies/auto/results/", _ddp_over_auto, "trained end to end"),
