@@ -223,15 +223,11 @@ def _sweep_exchange(link: str, size: int) -> Callable:
   return values
 
 
-def _sorted3(values: Sequence[float]) -> tuple[float, float, float]:
-  v = sorted(values)
-  return v[0], statistics.median(v), v[-1]
-
-
-def _triples(j, key: str, systems: Sequence[str], link: str) -> tuple[float, ...]:
-  """A limit file's `key` ("limit", "dense_over", ...) at `link`, min / median / max of the
-  seeds for each of `systems` in turn."""
-  return tuple(x for s in systems for x in _sorted3(j["analysis"][s]["links"][link][key]))
+def _link_values(key: str, link: str, *systems: str) -> Callable:
+  """A `limit.py` file's `key` ("limit", "dense_over", ...) at `link` for each of `systems`,
+  sorted (min / median / max of the seeds), in turn: as `_finals` for the final metrics."""
+  return lambda j: tuple(v for s in systems
+                         for v in sorted(j["analysis"][s]["links"][link][key]))
 
 
 def _held_out_pipelined(j):
@@ -669,8 +665,7 @@ QUOTES: tuple[Quote, ...] = (
                      *_trained_over("torch-ddp", CNN_SYSTEM)(j),
                      *_trained_over("dense", CNN_PAIRS4)(j),
                      *_trained_over("torch-ddp", CNN_PAIRS4)(j),
-                     *(r for s in (CNN_SYSTEM, CNN_PAIRS4)
-                       for r in sorted(j["analysis"][s]["links"]["10mbit"]["limit"]))),
+                     *_link_values("limit", "10mbit", CNN_SYSTEM, CNN_PAIRS4)(j)),
           "trained end to end"),
     Quote(HEADLINE, "dense reaches 0.84 in {0} / {1} / {2} steps (min / median / max of the seeds, "
           "as every triple in this paragraph; final {3:.4f}, median)",
@@ -718,16 +713,14 @@ QUOTES: tuple[Quote, ...] = (
           TTA + "time_to_accuracy_cnn_parity.json", _parity, "benchmark"),
     Quote(TTA_README, "limit ratio {0:.2f} / {1:.2f} / {2:.2f} with 8-byte pairs, {3:.2f} / "
           "{4:.2f} / {5:.2f} with 4-byte pairs", MLP_LIMIT,
-          lambda j: _triples(j, "limit", MLP_PAIRS, "500mbit"), "trained end to end"),
+          _link_values("limit", "500mbit", *MLP_PAIRS), "trained end to end"),
     Quote(TTA_README, "against sparsejax dense at that link {0:.2f} / {1:.2f} / {2:.2f}x and "
           "{3:.2f} / {4:.2f} / {5:.2f}x sooner, against PyTorch DDP {6:.2f} / {7:.2f} / {8:.2f}x "
           "and {9:.2f} / {10:.2f} / {11:.2f}x. Final accuracy against dense's {12:+.2f} / "
           "{13:+.2f} / {14:+.2f} and {15:+.2f} / {16:+.2f} / {17:+.2f} points", MLP_LIMIT,
-          lambda j: (*_triples(j, "dense_over", MLP_PAIRS, "500mbit"),
-                     *_triples(j, "torch-ddp_over", MLP_PAIRS, "500mbit"),
-                     *(f for s in MLP_PAIRS
-                       for f in _sorted3(j["analysis"][s]["final_vs_dense"]))),
-          "trained end to end"),
+          lambda j: (*_link_values("dense_over", "500mbit", *MLP_PAIRS)(j),
+                     *_link_values("torch-ddp_over", "500mbit", *MLP_PAIRS)(j),
+                     *_finals(*MLP_PAIRS, key="final_vs_dense")(j)), "trained end to end"),
     # studies/auto/README.md: the table, a row per result file
     *(Quote(AUTO_README, "| {0} ({1}) | {2} | {3} | {4:.2f} ({5}) | {6}; {7} ({8:.1f}-{9:.1f}%) "
             "| {10}; {11} | {12}", AUTO + stem + ".json", _auto_row, "trained end to end")
